@@ -57,10 +57,11 @@ struct Vec {
     const T& operator[](int64_t i) const { return p[i]; }
 };
 
-enum class Kind { I64, F32, F64, BOOL };
+enum class Kind { I32, I64, F32, F64, BOOL };
 
 const char* kind_name(Kind k) {
     switch (k) {
+        case Kind::I32: return "int32";
         case Kind::I64: return "int64";
         case Kind::F32: return "float32";
         case Kind::F64: return "float64";
@@ -71,6 +72,7 @@ const char* kind_name(Kind k) {
 
 bool is_kind(const py::buffer_info& info, Kind k) {
     switch (k) {
+        case Kind::I32: return info.itemsize == 4 && info.item_type_is_equivalent_to<int32_t>();
         case Kind::I64: return info.itemsize == 8 && info.item_type_is_equivalent_to<int64_t>();
         case Kind::F32: return info.itemsize == 4 && info.item_type_is_equivalent_to<float>();
         case Kind::F64: return info.itemsize == 8 && info.item_type_is_equivalent_to<double>();
@@ -297,50 +299,82 @@ void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int6
 // read-for-ownership of every destination cache line, which is a third of the memory traffic of these loops.
 // Each worker calls store_fence() before its data is published (end of its chunk).
 #if OPID_STREAM_STORES
-inline void stream_iota64(int64_t* dst, int64_t start, int64_t n) {
+// Scalar head until dst is 16-byte aligned (as _mm_stream_si128 needs); returns the first aligned index.
+inline int64_t align_head(const int32_t* dst, int64_t n) {
     int64_t i = 0;
-    if (n > 0 && (reinterpret_cast<uintptr_t>(dst) & 15) != 0) {
-        dst[0] = start;
-        i = 1;
-    }
-    __m128i v = _mm_set_epi64x(start + i + 1, start + i);
-    const __m128i two = _mm_set1_epi64x(2);
-    for (; i + 2 <= n; i += 2) {
+    while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0) ++i;
+    return i;
+}
+
+inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
+    const int64_t h = align_head(dst, n);
+    for (int64_t i = 0; i < h; ++i) dst[i] = start + static_cast<int32_t>(i);
+    int64_t i = h;
+    const int32_t s = start + static_cast<int32_t>(h);
+    __m128i v = _mm_setr_epi32(s, s + 1, s + 2, s + 3);
+    const __m128i four = _mm_set1_epi32(4);
+    for (; i + 4 <= n; i += 4) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
-        v = _mm_add_epi64(v, two);
+        v = _mm_add_epi32(v, four);
     }
-    for (; i < n; ++i) dst[i] = start + i;
+    for (; i < n; ++i) dst[i] = start + static_cast<int32_t>(i);
 }
 
 inline void stream_fill32(int32_t* dst, int32_t value, int64_t n) {
-    int64_t i = 0;
-    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = value;
+    int64_t i = align_head(dst, n);
+    std::fill(dst, dst + i, value);
     const __m128i v = _mm_set1_epi32(value);
     for (; i + 4 <= n; i += 4) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
     for (; i < n; ++i) dst[i] = value;
 }
 
-inline void stream_copy64(int64_t* dst, const int64_t* src, int64_t n) {
+inline void stream_tokens(int32_t* dst, const int32_t* src, int64_t n) {
+    int64_t i = align_head(dst, n);
+    std::copy(src, src + i, dst);
+    for (; i + 4 <= n; i += 4) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    for (; i < n; ++i) dst[i] = src[i];
+}
+
+// int64 token ids (already checked to fit int32) -> int32: keep the low 32 bits of each.
+inline void stream_tokens(int32_t* dst, const int64_t* src, int64_t n) {
+    int64_t i = align_head(dst, n);
+    for (int64_t j = 0; j < i; ++j) dst[j] = static_cast<int32_t>(src[j]);
+    for (; i + 4 <= n; i += 4) {
+        const __m128i a = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), 0x88);
+        const __m128i b = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 2)), 0x88);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_unpacklo_epi64(a, b));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<int32_t>(src[i]);
+}
+
+inline void stream_fill32(float* dst, float value, int64_t n) {
     int64_t i = 0;
-    if (n > 0 && (reinterpret_cast<uintptr_t>(dst) & 15) != 0) {
-        dst[0] = src[0];
-        i = 1;
-    }
-    for (; i + 2 <= n; i += 2) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
-    }
+    while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0) dst[i++] = value;
+    const __m128 v = _mm_set1_ps(value);
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, v);
+    for (; i < n; ++i) dst[i] = value;
+}
+
+inline void stream_copy32(float* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
     for (; i < n; ++i) dst[i] = src[i];
 }
 
 inline void store_fence() { _mm_sfence(); }
 #else  // portable fallback (e.g. aarch64): plain stores
-inline void stream_iota64(int64_t* dst, int64_t start, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = start + i;
+inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = start + static_cast<int32_t>(i);
 }
 inline void stream_fill32(int32_t* dst, int32_t value, int64_t n) { std::fill(dst, dst + n, value); }
-inline void stream_copy64(int64_t* dst, const int64_t* src, int64_t n) {
-    if (n > 0) std::memcpy(dst, src, sizeof(int64_t) * n);
+inline void stream_fill32(float* dst, float value, int64_t n) { std::fill(dst, dst + n, value); }
+inline void stream_copy32(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+template <class TI>
+inline void stream_tokens(int32_t* dst, const TI* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int32_t>(src[i]);
 }
 inline void store_fence() {}
 #endif
@@ -415,31 +449,38 @@ Plan plan_groups(const std::vector<int64_t>& sizes, int64_t budget, int64_t rank
                                   " tokens, more than the micro-batch budget " + std::to_string(budget));
         }
     }
+    // Longest first, ties by group id: sort unique keys (kMaxInt32 - size, g) packed into one int64.
     std::vector<int64_t> order(G);
-    for (int64_t g = 0; g < G; ++g) order[g] = g;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sizes[a] > sizes[b]; });
+    for (int64_t g = 0; g < G; ++g) order[g] = ((kMaxInt32 - sizes[g]) << 32) | g;
+    std::sort(order.begin(), order.end());
+    for (auto& key : order) key &= 0xFFFFFFFFLL;
     int64_t total = 0;
     for (int64_t s : sizes) total += s;
     const int64_t cap = budget * ranks;
     int64_t m = std::max<int64_t>(min_mb, (total + cap - 1) / cap);
     std::vector<int64_t> bin_of(G, 0);
-    using Item = std::pair<int64_t, int64_t>;  // (load, bin)
+    // The least loaded bin (ties: lowest bin) is the minimum of the keys (load << 32 | bin), kept in a tournament
+    // tree: leaves are the bins, each inner node the smaller of its children, so the root is the answer and
+    // an update rewrites one leaf-to-root path of branch-free minimums.
+    std::vector<int64_t> tree;
     while (true) {
         const int64_t bins = ranks * m;
-        std::vector<Item> init;
-        init.reserve(bins);
-        for (int64_t b = 0; b < bins; ++b) init.emplace_back(0, b);
-        std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap(std::greater<Item>(), std::move(init));
+        int64_t P = 1;
+        while (P < bins) P *= 2;
+        tree.assign(2 * P, INT64_MAX);
+        for (int64_t b = 0; b < bins; ++b) tree[P + b] = b;
+        for (int64_t i = P - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
         bool ok = true;
         for (int64_t g : order) {
-            Item top = heap.top();
-            heap.pop();
-            if (top.first + sizes[g] > budget) {
+            const int64_t load = tree[1] >> 32, bin = tree[1] & 0xFFFFFFFFLL;
+            if (load + sizes[g] > budget) {
                 ok = false;
                 break;
             }
-            bin_of[g] = top.second;
-            heap.emplace(top.first + sizes[g], top.second);
+            bin_of[g] = bin;
+            int64_t i = P + bin;
+            tree[i] = ((load + sizes[g]) << 32) | bin;
+            for (i >>= 1; i >= 1; i >>= 1) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
         }
         if (ok) break;
         ++m;
@@ -452,9 +493,47 @@ Plan plan_groups(const std::vector<int64_t>& sizes, int64_t budget, int64_t rank
 }
 
 // ------------------------------------------------------------------------------------------- layout
+// Token ids come as int32 or int64 (exactly one of t32/t64 is set); the packed outputs are int32.
 struct Ctx {
-    Vec<int64_t> tok, co, rl, so;
+    const int32_t* t32 = nullptr;
+    const int64_t* t64 = nullptr;
+    int64_t ntok = 0;
+    Vec<int64_t> co, rl, so;
 };
+
+// f(token pointer) with the pointer of the input's dtype.
+template <class F>
+void with_tokens(const Ctx& in, F&& f) {
+    if (in.t64 != nullptr) {
+        f(in.t64);
+    } else {
+        f(in.t32);
+    }
+}
+
+// First index of t[0:n] whose value does not fit int32, or -1 (branch-free per block so that it vectorises).
+int64_t first_not_int32(const int64_t* t, int64_t n, int threads) {
+    constexpr int64_t kBlock = 1 << 16;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    std::atomic<int64_t> first_bad{INT64_MAX};
+    parallel_for(blocks, threads, [&](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+            const int64_t i0 = b * kBlock, i1 = std::min(n, i0 + kBlock);
+            bool bad = false;
+            for (int64_t i = i0; i < i1; ++i) bad |= (t[i] < INT32_MIN) | (t[i] > INT32_MAX);
+            if (!bad) continue;
+            for (int64_t i = i0; i < i1; ++i) {
+                if (t[i] < INT32_MIN || t[i] > INT32_MAX) {
+                    int64_t cur = first_bad.load();
+                    while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+                    }
+                    break;
+                }
+            }
+        }
+    });
+    return first_bad.load() == INT64_MAX ? -1 : first_bad.load();
+}
 
 inline uint64_t mix(uint64_t h, uint64_t x) {
     x *= 0x9E3779B97F4A7C15ULL;
@@ -464,22 +543,50 @@ inline uint64_t mix(uint64_t h, uint64_t x) {
     return h ^ (h >> 29);
 }
 
-// Length of the common prefix of a[0:n] and b[0:n]: memcmp over blocks (vectorised by libc), then a short scan.
-int64_t common_prefix(const int64_t* a, const int64_t* b, int64_t n) {
-    constexpr int64_t kBlock = 32;
+// Length of the common prefix of a[0:n] and b[0:n]: 64-byte blocks compared with SSE2 (no call per block), then
+// a short scalar scan inside the first block that differs.
+template <class TI>
+int64_t common_prefix(const TI* a, const TI* b, int64_t n) {
     int64_t q = 0;
-    while (q + kBlock <= n && std::memcmp(a + q, b + q, kBlock * sizeof(int64_t)) == 0) q += kBlock;
+#if OPID_STREAM_STORES
+    constexpr int64_t kBlock = 64 / sizeof(TI);
+    const char* pa = reinterpret_cast<const char*>(a);
+    const char* pb = reinterpret_cast<const char*>(b);
+    for (; q + kBlock <= n; q += kBlock) {
+        const char* x = pa + q * sizeof(TI);
+        const char* y = pb + q * sizeof(TI);
+        _mm_prefetch(x + 2048, _MM_HINT_T0);
+        _mm_prefetch(y + 2048, _MM_HINT_T0);
+        __m128i eq = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)),
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(y)));
+        for (int k = 16; k < 64; k += 16) {
+            eq = _mm_and_si128(eq, _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)),
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(y + k))));
+        }
+        if (_mm_movemask_epi8(eq) != 0xFFFF) break;
+    }
+#endif
     while (q < n && a[q] == b[q]) ++q;
     return q;
 }
 
-// Bucket key of a prefix: its length and up to 64 tokens at each end (equality is always checked in full).
-uint64_t prefix_hash(const int64_t* t, int64_t p) {
-    uint64_t h = 0x243F6A8885A308D3ULL ^ static_cast<uint64_t>(p);
+// Bucket key of a prefix: its length and up to 64 tokens at each end (equality is always checked in full), mixed
+// in four independent lanes so that the multiply chains overlap.
+template <class TI>
+uint64_t prefix_hash(const TI* t, int64_t p) {
+    uint64_t lane[4] = {0x243F6A8885A308D3ULL ^ static_cast<uint64_t>(p), 0x13198A2E03707344ULL,
+                        0xA4093822299F31D0ULL, 0x082EFA98EC4E6C89ULL};
+    auto feed = [&](int64_t q0, int64_t q1) {
+        int64_t q = q0;
+        for (; q + 4 <= q1; q += 4) {
+            for (int k = 0; k < 4; ++k) lane[k] = mix(lane[k], static_cast<uint64_t>(t[q + k]));
+        }
+        for (; q < q1; ++q) lane[0] = mix(lane[0], static_cast<uint64_t>(t[q]));
+    };
     const int64_t head = std::min<int64_t>(p, 64);
-    for (int64_t q = 0; q < head; ++q) h = mix(h, static_cast<uint64_t>(t[q]));
-    for (int64_t q = std::max<int64_t>(head, p - 64); q < p; ++q) h = mix(h, static_cast<uint64_t>(t[q]));
-    return h;
+    feed(0, head);
+    feed(std::max<int64_t>(head, p - 64), p);
+    return mix(mix(mix(lane[0], lane[1]), lane[2]), lane[3]);
 }
 
 py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object resp_lens_o,
@@ -487,7 +594,8 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                        bool share_prompts, py::object max_group_tokens_o, py::object min_micro_batches_o,
                        py::object token_values_o) {
     // --- validation (GIL held: error messages may touch Python objects)
-    py::buffer_info tokens_i = request("tokens", tokens_o, {Kind::I64}, nullptr);
+    Kind tok_kind;
+    py::buffer_info tokens_i = request("tokens", tokens_o, {Kind::I32, Kind::I64}, &tok_kind);
     py::buffer_info co_i = request("ctx_offsets", ctx_offsets_o, {Kind::I64}, nullptr);
     py::buffer_info so_i = request("sample_offsets", sample_offsets_o, {Kind::I64}, nullptr);
     // Offsets and lengths are copied (small) before they are validated, so that a concurrent writer in another
@@ -498,10 +606,15 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     };
     const std::vector<int64_t> co_v = copy_of(co_i), so_v = copy_of(so_i);
     Ctx in;
-    in.tok = vec_of<int64_t>(tokens_i);
+    in.ntok = static_cast<int64_t>(tokens_i.shape[0]);
+    if (tok_kind == Kind::I64) {
+        in.t64 = static_cast<const int64_t*>(tokens_i.ptr);
+    } else {
+        in.t32 = static_cast<const int32_t*>(tokens_i.ptr);
+    }
     in.co = Vec<int64_t>{co_v.data(), static_cast<int64_t>(co_v.size())};
     in.so = Vec<int64_t>{so_v.data(), static_cast<int64_t>(so_v.size())};
-    check_offsets("ctx_offsets", in.co, in.tok.n, "tokens");
+    check_offsets("ctx_offsets", in.co, in.ntok, "tokens");
     const int64_t C = in.co.n - 1;
     py::buffer_info rl_i = request("resp_lens", resp_lens_o, {Kind::I64}, nullptr, C);
     const std::vector<int64_t> rl_v = copy_of(rl_i);
@@ -529,6 +642,17 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
             }
         }
     }
+    if (in.t64 != nullptr) {
+        int64_t bad;
+        {
+            py::gil_scoped_release release;
+            bad = first_not_int32(in.t64, in.ntok, pick_threads(in.ntok));
+        }
+        if (bad >= 0) {
+            throw py::value_error("tokens[" + std::to_string(bad) + "]=" + std::to_string(in.t64[bad]) +
+                                  " does not fit in int32 (packed token ids are int32)");
+        }
+    }
     const int64_t budget = check_int("budget", budget_o, 1, kMaxInt32);
     const int64_t ranks = check_int("num_ranks", num_ranks_o, 1, kMaxRanks);
     const int64_t max_group =
@@ -552,7 +676,8 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     Plan plan;
     {
         py::gil_scoped_release release;
-        const int threads = pick_threads(in.tok.n);
+        const int threads = pick_threads(in.ntok);
+        with_tokens(in, [&](auto tok) {
         parallel_for(S, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t s = lo; s < hi; ++s) {
                 const int64_t c0 = in.so[s], c1 = in.so[s + 1];
@@ -564,13 +689,14 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                 } else {
                     p = INT64_MAX;
                     for (int64_t c = c0; c < c1; ++c) p = std::min(p, in.co[c + 1] - in.co[c] - in.rl[c]);
-                    const int64_t* first = in.tok.p + in.co[c0];
-                    for (int64_t c = c0 + 1; c < c1; ++c) p = common_prefix(first, in.tok.p + in.co[c], p);
+                    const auto* first = tok + in.co[c0];
+                    for (int64_t c = c0 + 1; c < c1; ++c) p = common_prefix(first, tok + in.co[c], p);
                 }
                 prefix[s] = p;
                 size_of[s] = total - (c1 - c0 - 1) * p;
-                if (share && p > 0) hash[s] = static_cast<int64_t>(prefix_hash(in.tok.p + in.co[c0], p));
+                if (share && p > 0) hash[s] = static_cast<int64_t>(prefix_hash(tok + in.co[c0], p));
             }
+        });
         });
     }
     for (int64_t s = 0; s < S; ++s) {
@@ -581,44 +707,65 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     }
     {
         py::gil_scoped_release release;
-        struct KeyEntry {
-            int64_t rep;    // a sample with this prefix
-            int64_t group;  // the group currently open for it
+        // Samples with token-identical prefixes share a group, in sample order. An open-addressing table maps a
+        // prefix hash to a chain of entries (one per distinct prefix with that hash: the sample that opened it
+        // and its currently open group); members of a group are a linked list until they are flattened.
+        struct Entry {
+            uint64_t hash;
+            int64_t rep, group, next;  // next entry with the same hash, or -1
         };
-        std::unordered_map<uint64_t, std::vector<KeyEntry>> open;
-        std::vector<std::vector<int64_t>> members;
+        std::vector<Entry> entries;
+        int64_t table_size = 1;
+        while (table_size < 2 * S) table_size *= 2;
+        std::vector<int64_t> table(share ? table_size : 0, -1);  // slot -> first entry with that hash
+        std::vector<int64_t> next_member(S, -1), first_member, last_member;
+        first_member.reserve(S);
+        last_member.reserve(S);
+        grp_prefix.reserve(S);
+        grp_tokens.reserve(S);
+        const size_t width = in.t64 != nullptr ? 8 : 4;
+        const char* base = in.t64 != nullptr ? reinterpret_cast<const char*>(in.t64)
+                                             : reinterpret_cast<const char*>(in.t32);
         for (int64_t s = 0; s < S; ++s) {
             const int64_t p = prefix[s];
             if (share && p > 0) {
-                auto& entries = open[static_cast<uint64_t>(hash[s])];
-                const int64_t* mine = in.tok.p + in.co[in.so[s]];
-                KeyEntry* found = nullptr;
-                for (auto& e : entries) {
-                    if (prefix[e.rep] == p &&
-                        std::memcmp(in.tok.p + in.co[in.so[e.rep]], mine, static_cast<size_t>(p) * 8) == 0) {
-                        found = &e;
+                const uint64_t h = static_cast<uint64_t>(hash[s]);
+                int64_t slot = static_cast<int64_t>(h & static_cast<uint64_t>(table_size - 1));
+                while (table[slot] >= 0 && entries[table[slot]].hash != h) slot = (slot + 1) & (table_size - 1);
+                const char* mine = base + in.co[in.so[s]] * width;
+                int64_t found = -1;
+                for (int64_t e = table[slot]; e >= 0; e = entries[e].next) {
+                    const int64_t rep = entries[e].rep;
+                    if (prefix[rep] == p &&
+                        std::memcmp(base + in.co[in.so[rep]] * width, mine, static_cast<size_t>(p) * width) == 0) {
+                        found = e;
                         break;
                     }
                 }
-                if (found != nullptr && grp_tokens[found->group] + size_of[s] - p <= max_group) {
-                    members[found->group].push_back(s);
-                    grp_tokens[found->group] += size_of[s] - p;
+                if (found >= 0 && grp_tokens[entries[found].group] + size_of[s] - p <= max_group) {
+                    const int64_t g = entries[found].group;
+                    next_member[last_member[g]] = s;
+                    last_member[g] = s;
+                    grp_tokens[g] += size_of[s] - p;
                     continue;
                 }
-                const int64_t g = static_cast<int64_t>(members.size());
-                if (found != nullptr) {
-                    found->group = g;
+                const int64_t g = static_cast<int64_t>(first_member.size());
+                if (found >= 0) {
+                    entries[found].group = g;
                 } else {
-                    entries.push_back(KeyEntry{s, g});
+                    entries.push_back(Entry{h, s, g, table[slot]});
+                    table[slot] = static_cast<int64_t>(entries.size()) - 1;
                 }
             }
-            members.push_back({s});
+            first_member.push_back(s);
+            last_member.push_back(s);
             grp_prefix.push_back(p);
             grp_tokens.push_back(size_of[s]);
         }
         grp_samples.reserve(S);
-        for (auto& m : members) {
-            for (int64_t s : m) grp_samples.push_back(s);
+        grp_off.reserve(first_member.size() + 1);
+        for (int64_t first : first_member) {
+            for (int64_t s = first; s >= 0; s = next_member[s]) grp_samples.push_back(s);
             grp_off.push_back(static_cast<int64_t>(grp_samples.size()));
         }
     }
@@ -665,13 +812,14 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     const int64_t N = mb_tok[K], M = mb_gather[K];
 
     // --- allocate outputs (GIL)
-    auto tokens_out = new_array<int64_t>(N);
-    auto pos_out = new_array<int64_t>(N);
-    auto br_out = new_array<int32_t>(N);
+    auto tokens_out = new_array<int32_t>(N);
+    auto pos_out = new_array<int32_t>(N);
+    py::array_t<int32_t> br_out;  // the plain layout has no branches
+    if (!plain) br_out = new_array<int32_t>(N);
     py::array_t<float> mask_out;
     if (plain) mask_out = new_array<float>(N);
-    auto rows_out = new_array<int64_t>(M);
-    auto tgt_out = new_array<int64_t>(M);
+    auto rows_out = new_array<int32_t>(M);
+    auto tgt_out = new_array<int32_t>(M);
     auto cu_out = new_array<int32_t>(mb_cu[K]);
     auto ctx_start_out = new_array<int64_t>(C);
     auto ctx_mb_out = new_array<int64_t>(C);
@@ -680,12 +828,12 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
         gval_out = new_array<float>(M);
         if (plain) rval_out = new_array<float>(N);
     }
-    int64_t* T = tokens_out.mutable_data();
-    int64_t* P = pos_out.mutable_data();
-    int32_t* B = br_out.mutable_data();
+    int32_t* T = tokens_out.mutable_data();
+    int32_t* P = pos_out.mutable_data();
+    int32_t* B = plain ? nullptr : br_out.mutable_data();
     float* LM = plain ? mask_out.mutable_data() : nullptr;
-    int64_t* GR = rows_out.mutable_data();
-    int64_t* GT = tgt_out.mutable_data();
+    int32_t* GR = rows_out.mutable_data();
+    int32_t* GT = tgt_out.mutable_data();
     int32_t* CU = cu_out.mutable_data();
     int64_t* CS = ctx_start_out.mutable_data();
     int64_t* CM = ctx_mb_out.mutable_data();
@@ -710,19 +858,17 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
             }
         }
         const int threads = pick_threads(N);
+        with_tokens(in, [&](auto tok) {
         parallel_for(G, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t g = lo; g < hi; ++g) {
                 const int64_t k = plan.mb_of_group[g];
                 const int64_t p = grp_prefix[g];
                 const int64_t t0 = grp_tok_start[g];
                 const int64_t l0 = grp_row_start[g];
-                const int64_t mb_base = mb_tok[k];
-                if (LM) std::memset(LM + t0, 0, sizeof(float) * grp_tokens[g]);
-                if (RV) std::memset(RV + t0, 0, sizeof(float) * grp_tokens[g]);
                 const int64_t first = in.co[in.so[grp_samples[grp_off[g]]]];
-                stream_copy64(T + t0, in.tok.p + first, p);
-                stream_iota64(P + t0, 0, p);
-                stream_fill32(B + t0, 0, p);
+                stream_tokens(T + t0, tok + first, p);
+                stream_iota32(P + t0, 0, static_cast<int32_t>(p));
+                if (B) stream_fill32(B + t0, 0, p);
                 int64_t cursor = t0 + p;  // global token index
                 int64_t lrow = l0 + p;    // local row in the micro-batch
                 int64_t m = grp_gather_start[g];
@@ -735,28 +881,42 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                         const int64_t len = in.co[c + 1] - o;
                         const int64_t r = in.rl[c];
                         const int64_t own = len - p;
-                        stream_copy64(T + cursor, in.tok.p + o + p, own);
-                        stream_iota64(P + cursor, p, own);
-                        stream_fill32(B + cursor, plain ? 0 : branch, own);
+                        stream_tokens(T + cursor, tok + o + p, own);
+                        stream_iota32(P + cursor, static_cast<int32_t>(p), own);
+                        if (B) stream_fill32(B + cursor, branch, own);
                         CS[c] = m;
                         CM[c] = k;
-                        for (int64_t q = len - r; q < len; ++q, ++m) {
-                            const int64_t row = (q - 1 >= p) ? lrow + q - 1 - p : l0 + q - 1;
-                            GR[m] = row;
-                            GT[m] = in.tok.p[o + q];
-                            if (LM) LM[mb_base + row] = 1.0f;
-                            if (GV) {
-                                const float v = tv.p[value_off[c] + (q - (len - r))];
-                                GV[m] = v;
-                                if (RV) RV[mb_base + row] = v;
+                        // Response token q (context position) is predicted by the row of position q - 1: a shared
+                        // prefix row (q - 1 < p) or one of this branch's own rows; each kind is a contiguous run.
+                        const int64_t q0 = len - r, q_own = std::min(len, std::max(q0, p + 1));
+                        int32_t* __restrict gr = GR + m - q0;
+                        for (int64_t q = q0; q < q_own; ++q) gr[q] = static_cast<int32_t>(l0 + q - 1);
+                        for (int64_t q = q_own; q < len; ++q) gr[q] = static_cast<int32_t>(lrow - p + q - 1);
+                        int32_t* __restrict gt = GT + m;
+                        const auto* __restrict resp = tok + o + q0;
+                        for (int64_t j = 0; j < r; ++j) gt[j] = static_cast<int32_t>(resp[j]);
+                        if (GV) std::memcpy(GV + m, tv.p + value_off[c], sizeof(float) * r);
+                        if (LM) {
+                            // Plain layout (the only one with per-row outputs): one context per group, all of it
+                            // the "prefix", so rows t0 + q0 - 1 .. t0 + len - 2 predict the response; written in
+                            // order, zeros around them.
+                            stream_fill32(LM + t0, 0.0f, q0 - 1);
+                            stream_fill32(LM + t0 + q0 - 1, 1.0f, r);
+                            stream_fill32(LM + t0 + len - 1, 0.0f, 1);
+                            if (RV) {
+                                stream_fill32(RV + t0, 0.0f, q0 - 1);
+                                stream_copy32(RV + t0 + q0 - 1, tv.p + value_off[c], r);
+                                stream_fill32(RV + t0 + len - 1, 0.0f, 1);
                             }
                         }
+                        m += r;
                         cursor += own;
                         lrow += own;
                     }
                 }
             }
             store_fence();
+        });
         });
     }
 
@@ -769,7 +929,7 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     py::dict out;
     out["tokens"] = tokens_out;
     out["position_ids"] = pos_out;
-    out["branch_ids"] = br_out;
+    if (!plain) out["branch_ids"] = br_out;
     if (plain) out["loss_mask"] = mask_out;
     out["gather_rows"] = rows_out;
     out["gather_targets"] = tgt_out;
@@ -870,6 +1030,57 @@ py::array_t<double> outcome_advantage(py::object scores_o, py::object group_ids_
     return out;
 }
 
+// No NaN or infinity in x[0:n]: no value with an all-ones exponent (integer test on the bits: it vectorises).
+inline bool all_finite(const float* x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, x + j, sizeof(bits));
+        bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+    }
+    return bad == 0;
+}
+
+inline bool all_finite(const double* x, int64_t n) {
+    uint64_t bad = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        uint64_t bits;
+        std::memcpy(&bits, x + j, sizeof(bits));
+        bad |= static_cast<uint64_t>((bits & 0x7FF0000000000000ull) == 0x7FF0000000000000ull);
+    }
+    return bad == 0;
+}
+
+// How one skill type's Δ enters the advantage of one sample's tokens (reference.token_advantages, per token):
+// d = valid ? Δ : 0; normalised d = valid ? (flat ? d - μ : (d - μ) / σ) : 0; clipped; acc = acc + λ d.
+struct Transform {
+    double lam;
+    bool valid, normalize, flat;
+    double mu, sd;
+    bool has_clip;
+    double clip;
+};
+
+template <class D>
+void add_scaled(double* acc, const D* delta, int64_t n, const Transform& tf) {
+    if (!tf.valid) {
+        const double d = tf.has_clip ? std::min(std::max(0.0, -tf.clip), tf.clip) : 0.0;
+        const double v = tf.lam * d;
+        for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + v;
+        return;
+    }
+    if (!tf.normalize && !tf.has_clip) {
+        for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + tf.lam * static_cast<double>(delta[j]);
+        return;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        double d = static_cast<double>(delta[j]);
+        if (tf.normalize) d = tf.flat ? d - tf.mu : (d - tf.mu) / tf.sd;
+        if (tf.has_clip) d = std::min(std::max(d, -tf.clip), tf.clip);
+        acc[j] = acc[j] + tf.lam * d;
+    }
+}
+
 py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o, py::list deltas_o, py::list masks_o,
                                     py::list lambdas_o, bool normalize, py::object clip_o) {
     Kind ok;
@@ -937,7 +1148,10 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                     t += rl[s];
                     continue;
                 }
-                for (int64_t j = 0; j < rl[s]; ++j, ++t) {
+                const bool finite = dkind[k] == Kind::F32
+                                        ? all_finite(static_cast<const float*>(dinfo[k].ptr) + t, rl[s])
+                                        : all_finite(static_cast<const double*>(dinfo[k].ptr) + t, rl[s]);
+                for (int64_t j = 0; j < rl[s] && (normalize || !finite); ++j, ++t) {
                     const double v = delta_at(k, t);
                     if (!std::isfinite(v)) {
                         error = "deltas[" + std::to_string(k) + "][" + std::to_string(t) + "] is not finite";
@@ -945,6 +1159,7 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                     }
                     if (normalize) sum.add(v);
                 }
+                if (!normalize && finite) t += rl[s];
                 count[k] += rl[s];
             }
             if (!error.empty() || !normalize || count[k] == 0) continue;
@@ -963,24 +1178,33 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
             }
             sd[k] = std::sqrt(sq.result() / static_cast<double>(count[k]));
         }
-        // pass 2: A = A_out + sum_k lambda_k * Delta'_k, in the reference's operation order
+        // pass 2: A = A_out + sum_k lambda_k * Delta'_k, in the reference's operation order (per token: start
+        // from A_out, add the types in order), vectorised over each sample's tokens in blocks.
         if (error.empty()) {
-            int64_t t = 0;
-            for (int64_t s = 0; s < S; ++s) {
-                for (int64_t j = 0; j < rl[s]; ++j, ++t) {
-                    double a = ob[s];
-                    for (size_t k = 0; k < K; ++k) {
-                        const bool valid = static_cast<const uint8_t*>(minfo[k].ptr)[s] != 0;
-                        double d = valid ? delta_at(k, t) : 0.0;
-                        if (normalize && count[k] > 0) {
-                            d = !valid ? 0.0 : (sd[k] <= kStdFloor ? d - mu[k] : (d - mu[k]) / sd[k]);
+            std::vector<int64_t> start(S + 1, 0);
+            for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + rl[s];
+            parallel_for(S, pick_threads(total), [&](int64_t lo, int64_t hi) {
+                constexpr int64_t kBlock = 512;
+                double acc[kBlock];
+                for (int64_t s = lo; s < hi; ++s) {
+                    for (int64_t b0 = start[s]; b0 < start[s + 1]; b0 += kBlock) {
+                        const int64_t n = std::min(kBlock, start[s + 1] - b0);
+                        for (int64_t j = 0; j < n; ++j) acc[j] = ob[s];
+                        for (size_t k = 0; k < K; ++k) {
+                            if (lam[k] == 0.0) continue;
+                            const bool valid = static_cast<const uint8_t*>(minfo[k].ptr)[s] != 0;
+                            Transform tf{lam[k], valid, normalize && count[k] > 0, sd[k] <= kStdFloor, mu[k], sd[k],
+                                         has_clip, clip};
+                            if (dkind[k] == Kind::F32) {
+                                add_scaled(acc, static_cast<const float*>(dinfo[k].ptr) + b0, n, tf);
+                            } else {
+                                add_scaled(acc, static_cast<const double*>(dinfo[k].ptr) + b0, n, tf);
+                            }
                         }
-                        if (has_clip) d = std::min(std::max(d, -clip), clip);
-                        if (lam[k] != 0.0) a = a + lam[k] * d;
+                        for (int64_t j = 0; j < n; ++j) o[b0 + j] = static_cast<float>(acc[j]);
                     }
-                    o[t] = static_cast<float>(a);
                 }
-            }
+            });
         }
     }
     if (!error.empty()) throw py::value_error(error);

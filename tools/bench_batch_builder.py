@@ -38,7 +38,7 @@ CI_SHAPES = {
 }
 
 
-def make_batch(shape, placement: str, seed: int = 0, vocab: int = 151_000):
+def make_batch(shape, placement: str, seed: int = 0, vocab: int = 151_000, token_dtype=np.int32):
     """Synthetic rollout batch with the given shape: CSR contexts (original, +skill) and per-sample arrays."""
     tasks, trajs, steps, prompt_rng, resp_rng, k_crit = shape
     rng = np.random.default_rng(seed)
@@ -64,7 +64,7 @@ def make_batch(shape, placement: str, seed: int = 0, vocab: int = 151_000):
                 gids.append(t)
                 use_step.append(is_step)
                 scores.append((10.0 if won else 0.0) - (0.1 if rng.random() < 0.05 else 0.0))
-    tokens = np.concatenate(pieces).astype(np.int64)
+    tokens = np.concatenate(pieces).astype(token_dtype)  # int32 as flatten_contexts makes; int64 is accepted
     ctx_offsets = np.concatenate([[0], np.cumsum(ctx_lens)]).astype(np.int64)
     n = len(gids)
     ctx = ContextBatch(tokens, ctx_offsets, np.array(resp_lens, np.int64), np.arange(0, 2 * n + 1, 2, dtype=np.int64))
@@ -113,7 +113,7 @@ def timed(fn, repeats):
 
 
 def bench_shape(name, shape, args):
-    data = make_batch(shape, args.placement)
+    data = make_batch(shape, args.placement, token_dtype=np.dtype(args.token_dtype))
     total_resp = int(data["resp"].sum())
     data["deltas"] = [data["rng"].standard_normal(total_resp).astype(np.float32) * 0.3 for _ in range(2)]
     train = train_inputs(data)
@@ -172,6 +172,8 @@ def main(argv=None):
     p.add_argument("--placement", choices=["late", "faithful"], default="late")
     p.add_argument("--budget", type=int, default=32768, help="tokens per micro-batch")
     p.add_argument("--ranks", type=int, default=4, help="data-parallel ranks")
+    p.add_argument("--token-dtype", choices=["int32", "int64"], default="int32",
+                   help="dtype of the input token ids (flatten_contexts makes int32; int64 is range-checked)")
     p.add_argument("--normalize", action="store_true", help="batch z-normalise Δ (exact sums)")
     p.add_argument("--repeats-py", type=int, default=None)
     p.add_argument("--repeats-cpp", type=int, default=None)
@@ -188,7 +190,7 @@ def main(argv=None):
         raise SystemExit("opid_mega._C is not built: run `pip install --no-build-isolation --no-deps -e .`")
     shapes = SHAPES if args.preset == "full" else CI_SHAPES
     print(f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f} preset={args.preset} placement={args.placement} "
-          f"budget={args.budget} ranks={args.ranks} "
+          f"budget={args.budget} ranks={args.ranks} tokens={args.token_dtype} "
           f"normalize={args.normalize} repeats python={args.repeats_py} cpp={args.repeats_cpp}")
     results = {name: bench_shape(name, shapes[name], args) for name in args.shapes}
     if args.json:

@@ -16,11 +16,12 @@ Typical use (one training iteration):
 
 Arrays are numpy (torch CPU tensors are accepted and viewed with `.numpy()`, no copy). Flat outputs of the
 builders (keys of `PackedBatches.flat`), K = num_ranks * micro_batches_per_rank micro-batches, rank-major:
-- tokens int64 [N], position_ids int64 [N], branch_ids int32 [N], loss_mask float32 [N] (plain layout only: 1 on
-  rows that predict a response token); micro-batch k owns [mb_token_offsets[k], mb_token_offsets[k+1]).
+- tokens int32 [N], position_ids int32 [N], branch_ids int32 [N] (fork layout only), loss_mask float32 [N] (plain
+  layout only: 1 on rows that predict a response token); micro-batch k owns [mb_token_offsets[k],
+  mb_token_offsets[k+1]).
 - cu_seqlens int32, per micro-batch [groups+1] (local), sliced by mb_cu_offsets.
-- gather_rows int64 [M] (row indices local to the micro-batch; row r predicts the next token of its branch),
-  gather_targets int64 [M], gather_values float32 [M] (the given token values, e.g. advantages), sliced by
+- gather_rows int32 [M] (row indices local to the micro-batch; row r predicts the next token of its branch),
+  gather_targets int32 [M], gather_values float32 [M] (the given token values, e.g. advantages), sliced by
   mb_gather_offsets; row_values float32 [N] (plain layout only: the value at each predicting row, 0 elsewhere).
 - ctx_gather_start int64 [C]: where context c's resp_len gathered values start in the concatenation of all
   micro-batches' M; ctx_micro_batch int64 [C].
@@ -105,7 +106,7 @@ class MicroBatch:
     index: int
     tokens: np.ndarray
     position_ids: np.ndarray
-    branch_ids: np.ndarray
+    branch_ids: Optional[np.ndarray]  # None in the plain layout (no branches)
     cu_seqlens: np.ndarray
     loss_mask: Optional[np.ndarray]
     gather_rows: np.ndarray
@@ -159,7 +160,7 @@ class PackedBatches:
         rv = f.get("row_values")
         return MicroBatch(
             rank=rank, index=index, tokens=f["tokens"][t0:t1], position_ids=f["position_ids"][t0:t1],
-            branch_ids=f["branch_ids"][t0:t1], cu_seqlens=f["cu_seqlens"][c0:c1],
+            branch_ids=f["branch_ids"][t0:t1] if "branch_ids" in f else None, cu_seqlens=f["cu_seqlens"][c0:c1],
             loss_mask=f["loss_mask"][t0:t1] if "loss_mask" in f else None,
             gather_rows=f["gather_rows"][m0:m1], gather_targets=f["gather_targets"][m0:m1],
             gather_values=None if gv is None else gv[m0:m1], row_values=None if rv is None else rv[t0:t1],

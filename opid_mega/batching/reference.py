@@ -98,9 +98,11 @@ def build_batches(tokens, ctx_offsets, resp_lens, sample_offsets, budget: int, n
     mb_group_offsets = np.zeros(num_mb + 1, np.int64)
     np.cumsum(np.bincount(mb_of_group, minlength=num_mb), out=mb_group_offsets[1:])
 
-    keys = ["tokens", "position_ids", "branch_ids", "gather_rows", "gather_targets", "cu_seqlens"]
+    keys = ["tokens", "position_ids", "gather_rows", "gather_targets", "cu_seqlens"]
     if plain:
-        keys.append("loss_mask")
+        keys.append("loss_mask")  # and no branch_ids: the plain layout has no branches
+    else:
+        keys.append("branch_ids")
     if token_values is not None:
         keys.append("gather_values")
         if plain:

@@ -65,7 +65,8 @@ class PackedBatch:
         """A fork-layout micro-batch (`opid_mega.batching.MicroBatch`, or a dict with the same keys) as one packed
         row whose single "sequence" is every gathered row: the result is one flat tensor of log-probs [M]."""
         def get(key, dtype=torch.long):
-            return torch.as_tensor(mb[key] if isinstance(mb, dict) else getattr(mb, key)).to(dtype)
+            x = mb.get(key) if isinstance(mb, dict) else getattr(mb, key)
+            return None if x is None else torch.as_tensor(x).to(dtype)
 
         rows = get("gather_rows")
         return cls(get("tokens")[None], get("position_ids")[None], get("cu_seqlens", torch.int32), rows,

@@ -19,10 +19,13 @@ Samples whose own shared prefix is token-identical (step 0 of all trajectories o
 prompts) are merged into one group (`share_prompts=True`), so the prompt is computed once for all of them.
 `plain=True` is the training layout: one context per sample, the whole sequence is the "prefix" (branch ids all 0).
 
-Inputs are CSR ("flat values + offsets"): `tokens` int64 [T] (every context, sample by sample),
+Inputs are CSR ("flat values + offsets"): `tokens` int32 [T] (every context, sample by sample; int64 is accepted
+when every id fits in int32),
 `ctx_offsets` int64 [C+1] (context c is tokens[ctx_offsets[c]:ctx_offsets[c+1]]), `resp_lens` int64 [C],
 `sample_offsets` int64 [S+1] (sample s owns contexts sample_offsets[s]:sample_offsets[s+1]).
-`flatten_contexts` builds them from Python lists. The C++ extension (opid_mega._C) implements the same functions
+`flatten_contexts` builds them from Python lists. Packed outputs hold token ids, positions and gather rows/targets
+as int32: half the host memory traffic and the host-to-device copy of int64 (`PackedBatch.from_micro_batch`
+widens them on the device side of the copy). The C++ extension (opid_mega._C) implements the same functions
 with byte-identical outputs; `opid_mega.batching` picks it when importable.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 MAX_INT32 = 2**31 - 1
+INT32_MIN = -(2**31)
 
 
 @dataclass
@@ -66,10 +70,14 @@ def flatten_contexts(samples: Sequence[Sequence[Tuple[Sequence[int], int]]]) -> 
                 raise ValueError(f"flatten_contexts: sample {s} context {c} must be (token_ids, resp_len)")
             toks, r = item
             arr = np.asarray(toks, dtype=np.int64).reshape(-1)
-            pieces.append(arr)
+            bad = np.flatnonzero((arr < INT32_MIN) | (arr > MAX_INT32))
+            if bad.size:
+                raise ValueError(f"flatten_contexts: sample {s} context {c} token {int(bad[0])} = "
+                                 f"{int(arr[bad[0]])} does not fit in int32")
+            pieces.append(arr.astype(np.int32))
             ctx_lens.append(arr.size)
             resp_lens.append(int(r))
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
     ctx_offsets = np.zeros(len(ctx_lens) + 1, np.int64)
     np.cumsum(ctx_lens, out=ctx_offsets[1:])
     sample_offsets = np.zeros(len(per_sample) + 1, np.int64)
@@ -110,7 +118,7 @@ def check_offsets(name: str, offsets: np.ndarray, total: int, what: str) -> None
 
 def check_contexts(tokens, ctx_offsets, resp_lens, sample_offsets, plain: bool = False) -> None:
     """Validate a CSR context batch; raises TypeError/ValueError naming the offending argument."""
-    check_array("tokens", tokens, (np.int64,))
+    check_array("tokens", tokens, (np.int32, np.int64))
     check_array("ctx_offsets", ctx_offsets, (np.int64,))
     check_array("sample_offsets", sample_offsets, (np.int64,))
     check_offsets("ctx_offsets", ctx_offsets, tokens.size, "tokens")
@@ -131,6 +139,11 @@ def check_contexts(tokens, ctx_offsets, resp_lens, sample_offsets, plain: bool =
         if multi.size:
             raise ValueError(f"sample_offsets: plain layout needs exactly one context per sample, sample "
                              f"{int(multi[0])} has {int(np.diff(sample_offsets)[multi[0]])}")
+    if tokens.dtype == np.int64 and tokens.size:
+        bad = np.flatnonzero((tokens < INT32_MIN) | (tokens > MAX_INT32))
+        if bad.size:
+            raise ValueError(f"tokens[{int(bad[0])}]={int(tokens[bad[0]])} does not fit in int32 (packed token ids "
+                             "are int32)")
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -221,7 +234,7 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
                      token_values=None, value_offsets=None, plain: bool = False) -> dict:
     """Pack the given groups (in this order) into one micro-batch.
 
-    Returns tokens/position_ids/branch_ids [N], cu_seqlens int32 [G+1], gather_rows/gather_targets [M] (rows
+    Returns int32 tokens/position_ids/branch_ids [N], cu_seqlens [G+1], gather_rows/gather_targets [M] (rows
     local to this micro-batch), loss_mask float32 [N] (plain only: 1 on rows that predict a response token), per context
     `ctx_gather_start` (local offset into M, dict context -> start), and `gather_values` float32 [M] /
     `row_values` float32 [N] (plain only) when `token_values` (float32 per response token, CSR by
@@ -239,7 +252,7 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
         members = groups.samples[groups.sample_offsets[g]:groups.sample_offsets[g + 1]]
         first = int(ctx_offsets[sample_offsets[members[0]]])
         tok_parts.append(tokens[first:first + p])
-        pos_parts.append(np.arange(p, dtype=np.int64))
+        pos_parts.append(np.arange(p, dtype=np.int32))
         br_parts.append(np.zeros(p, np.int32))
         row += p
         branch = 0
@@ -251,7 +264,7 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
                 r = int(resp_lens[c])
                 own = length - p
                 tok_parts.append(tokens[o + p:o + length])
-                pos_parts.append(np.arange(p, length, dtype=np.int64))
+                pos_parts.append(np.arange(p, length, dtype=np.int32))
                 br_parts.append(np.full(own, 0 if plain else branch, np.int32))
                 q = np.arange(length - r, length, dtype=np.int64)   # context positions of the response
                 rows_parts.append(np.where(q - 1 >= p, row + q - 1 - p, gstart + q - 1))
@@ -262,14 +275,15 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
                 m += r
                 row += own
         cu.append(row)
-    cat64 = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+    cat32 = lambda parts: (np.concatenate(parts).astype(np.int32, copy=False) if parts  # noqa: E731
+                           else np.zeros(0, np.int32))
     out = {
-        "tokens": cat64(tok_parts),
-        "position_ids": cat64(pos_parts),
-        "branch_ids": np.concatenate(br_parts) if br_parts else np.zeros(0, np.int32),
+        "tokens": cat32(tok_parts),
+        "position_ids": cat32(pos_parts),
+        "branch_ids": cat32(br_parts),
         "cu_seqlens": np.array(cu, np.int32),
-        "gather_rows": cat64(rows_parts),
-        "gather_targets": cat64(tgt_parts),
+        "gather_rows": cat32(rows_parts),
+        "gather_targets": cat32(tgt_parts),
         "ctx_gather_start": ctx_start,
     }
     if plain:

@@ -18,7 +18,7 @@ from batch_builder_helpers import assert_same, context_batches, random_alfworld_
 import opid_mega.algo as algo  # noqa: E402
 from opid_mega import batching  # noqa: E402
 from opid_mega.batching import reference as ref  # noqa: E402
-from opid_mega.scoring.layout import sample_group_tokens, sample_prefix_lengths  # noqa: E402
+from opid_mega.scoring.layout import flatten_contexts, sample_group_tokens, sample_prefix_lengths  # noqa: E402
 
 _C = pytest.importorskip("opid_mega._C", reason="C++ batch builder not built")
 
@@ -56,9 +56,59 @@ def test_plain_batches_identical(ctx, extra, ranks, values, seed):
                 plain=True, token_values=tv)
     assert_same(a, b)
     if ctx.num_samples:
-        np.testing.assert_array_equal(a["branch_ids"], 0)
+        assert "branch_ids" not in a and train_branch_ids_none(a)
         # plain: every sequence is its own group, positions restart at 0
         assert a["group_tokens"].tolist() == np.diff(ctx.ctx_offsets).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ctx=context_batches(vocab=6), extra=st.integers(0, 40), ranks=st.integers(1, 3), plain=st.booleans(),
+       offset=st.sampled_from([0, -(2**31), 2**31 - 8]))
+def test_int32_and_int64_tokens_pack_the_same(ctx, extra, ranks, plain, offset):
+    """Token ids are packed as int32: int64 input (ids that fit) gives the same bytes as int32 input, in both
+    backends; extreme ids survive."""
+    if plain:
+        keep = np.diff(ctx.sample_offsets) == 1
+        if not keep.all():
+            return
+    t32 = (ctx.tokens.astype(np.int64) + offset).astype(np.int32)
+    budget = budget_for(ctx, extra) if not plain else int(np.diff(ctx.ctx_offsets).max(initial=1)) + extra
+    outs = [impl.build_batches(t, ctx.ctx_offsets, ctx.resp_lens, ctx.sample_offsets, budget, ranks, plain=plain)
+            for impl in (ref, _C) for t in (t32, t32.astype(np.int64))]
+    for o in outs[1:]:
+        assert_same(outs[0], o)
+    for key in ("tokens", "position_ids", "gather_rows", "gather_targets", "cu_seqlens") + (() if plain else
+                                                                                          ("branch_ids",)):
+        assert outs[0][key].dtype == np.int32, key
+    if ctx.num_samples:
+        assert set(np.unique(outs[0]["tokens"]).tolist()) <= set(np.unique(t32).tolist())
+
+
+def train_branch_ids_none(flat) -> bool:
+    packed = batching.PackedBatches(flat, np.zeros(0, np.int64), np.zeros(1, np.int64), 0)
+    return all(packed.micro_batch(r, j).branch_ids is None for r in range(packed.num_ranks)
+               for j in range(packed.micro_batches_per_rank))
+
+
+def test_prefix_hash_collisions_never_merge_different_prompts():
+    """The C++ grouping buckets prefixes by length and their first/last 64 tokens: prompts equal there but different
+    in the middle share a bucket and must still get their own groups (identical ones still share)."""
+    rng = np.random.default_rng(7)
+    head, tail = rng.integers(0, 100, 64).tolist(), rng.integers(0, 100, 64).tolist()
+    middles = [rng.integers(0, 100, 200).tolist() for _ in range(3)]
+    middles.append(list(middles[0]))
+    middles[3][100] += 1  # differs from middle 0 in one token
+    samples = []
+    for i in [0, 1, 0, 2, 3, 0, 3]:
+        prompt = head + middles[i] + tail
+        resp = rng.integers(0, 100, 5).tolist()
+        samples.append([(prompt + resp, 5), (prompt + [7, 7] + resp, 5)])
+    ctx = flatten_contexts(samples)
+    a, b = both("build_batches", ctx.tokens, ctx.ctx_offsets, ctx.resp_lens, ctx.sample_offsets, 4096, 1)
+    assert_same(a, b)
+    groups = [a["group_samples"][a["group_sample_offsets"][g]:a["group_sample_offsets"][g + 1]].tolist()
+              for g in range(a["group_sample_offsets"].size - 1)]
+    assert groups == [[0, 2, 5], [1], [3], [4, 6]]
 
 
 def test_fork_values_and_extremes_identical():
@@ -215,7 +265,13 @@ def test_clear_errors(backend):
                                   kw.get("budget", 10), kw.get("num_ranks", 1))
 
     with pytest.raises(TypeError, match="tokens"):
-        call(tokens=ctx_t.astype(np.int32))
+        call(tokens=ctx_t.astype(np.int16))
+    with pytest.raises(TypeError, match="tokens"):
+        call(tokens=ctx_t.astype(np.uint32))
+    with pytest.raises(ValueError, match=r"tokens\[2\]=2147483648 does not fit in int32"):
+        call(tokens=np.array([1, 2, 2**31, 4], np.int64))
+    with pytest.raises(ValueError, match=r"tokens\[0\]=-2147483649 does not fit in int32"):
+        call(tokens=np.array([-(2**31) - 1, 2, 3, 2**40], np.int64))
     with pytest.raises(ValueError, match="tokens"):
         call(tokens=np.arange(8, dtype=np.int64)[::2])
     with pytest.raises(ValueError, match="ctx_offsets"):
