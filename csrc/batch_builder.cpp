@@ -300,6 +300,7 @@ void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int6
 // Each worker calls store_fence() before its data is published (end of its chunk).
 #if OPID_STREAM_STORES
 // Scalar head until dst is 16-byte aligned (as _mm_stream_si128 needs); returns the first aligned index.
+// (AVX2 and AVX-512 streaming stores were measured too: no faster here, the loops are bound by memory.)
 inline int64_t align_head(const int32_t* dst, int64_t n) {
     int64_t i = 0;
     while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0) ++i;
@@ -307,15 +308,12 @@ inline int64_t align_head(const int32_t* dst, int64_t n) {
 }
 
 inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
-    const int64_t h = align_head(dst, n);
-    for (int64_t i = 0; i < h; ++i) dst[i] = start + static_cast<int32_t>(i);
-    int64_t i = h;
-    const int32_t s = start + static_cast<int32_t>(h);
-    __m128i v = _mm_setr_epi32(s, s + 1, s + 2, s + 3);
-    const __m128i four = _mm_set1_epi32(4);
+    int64_t i = align_head(dst, n);
+    for (int64_t j = 0; j < i; ++j) dst[j] = start + static_cast<int32_t>(j);
+    __m128i v = _mm_add_epi32(_mm_set1_epi32(start + static_cast<int32_t>(i)), _mm_setr_epi32(0, 1, 2, 3));
     for (; i + 4 <= n; i += 4) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
-        v = _mm_add_epi32(v, four);
+        v = _mm_add_epi32(v, _mm_set1_epi32(4));
     }
     for (; i < n; ++i) dst[i] = start + static_cast<int32_t>(i);
 }
@@ -323,8 +321,7 @@ inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
 inline void stream_fill32(int32_t* dst, int32_t value, int64_t n) {
     int64_t i = align_head(dst, n);
     std::fill(dst, dst + i, value);
-    const __m128i v = _mm_set1_epi32(value);
-    for (; i + 4 <= n; i += 4) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
+    for (; i + 4 <= n; i += 4) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_set1_epi32(value));
     for (; i < n; ++i) dst[i] = value;
 }
 
@@ -349,19 +346,15 @@ inline void stream_tokens(int32_t* dst, const int64_t* src, int64_t n) {
     for (; i < n; ++i) dst[i] = static_cast<int32_t>(src[i]);
 }
 
+// float outputs are streamed as their 32-bit patterns (the buffers are raw memory that only numpy reads back).
 inline void stream_fill32(float* dst, float value, int64_t n) {
-    int64_t i = 0;
-    while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0) dst[i++] = value;
-    const __m128 v = _mm_set1_ps(value);
-    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, v);
-    for (; i < n; ++i) dst[i] = value;
+    int32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    stream_fill32(reinterpret_cast<int32_t*>(dst), bits, n);
 }
 
 inline void stream_copy32(float* dst, const float* src, int64_t n) {
-    int64_t i = 0;
-    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = src[i];
-    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-    for (; i < n; ++i) dst[i] = src[i];
+    stream_tokens(reinterpret_cast<int32_t*>(dst), reinterpret_cast<const int32_t*>(src), n);
 }
 
 inline void store_fence() { _mm_sfence(); }
@@ -449,11 +442,16 @@ Plan plan_groups(const std::vector<int64_t>& sizes, int64_t budget, int64_t rank
                                   " tokens, more than the micro-batch budget " + std::to_string(budget));
         }
     }
-    // Longest first, ties by group id: sort unique keys (kMaxInt32 - size, g) packed into one int64.
-    std::vector<int64_t> order(G);
-    for (int64_t g = 0; g < G; ++g) order[g] = ((kMaxInt32 - sizes[g]) << 32) | g;
-    std::sort(order.begin(), order.end());
-    for (auto& key : order) key &= 0xFFFFFFFFLL;
+    // Longest first, ties by group id: stable LSD radix sort of the group ids by (budget - size), 11 bits a pass.
+    std::vector<int64_t> order(G), scratch(G);
+    for (int64_t g = 0; g < G; ++g) order[g] = g;
+    for (int shift = 0; (budget >> shift) > 0; shift += 11) {
+        int64_t count[2049] = {0};
+        for (int64_t g : order) ++count[(((budget - sizes[g]) >> shift) & 2047) + 1];
+        for (int d = 0; d < 2048; ++d) count[d + 1] += count[d];
+        for (int64_t g : order) scratch[count[((budget - sizes[g]) >> shift) & 2047]++] = g;
+        order.swap(scratch);
+    }
     int64_t total = 0;
     for (int64_t s : sizes) total += s;
     const int64_t cap = budget * ranks;
@@ -543,28 +541,35 @@ inline uint64_t mix(uint64_t h, uint64_t x) {
     return h ^ (h >> 29);
 }
 
-// Length of the common prefix of a[0:n] and b[0:n]: 64-byte blocks compared with SSE2 (no call per block), then
-// a short scalar scan inside the first block that differs.
+#if OPID_STREAM_STORES
+// Leading bytes of x and y (at most nbytes) that lie in equal 64-byte blocks, compared with vector loads (no call
+// per block) and prefetched ahead: the caller scans the first differing block itself.
+int64_t equal_blocks(const char* x, const char* y, int64_t nbytes) {
+    int64_t q = 0;
+    for (; q + 64 <= nbytes; q += 64) {
+        _mm_prefetch(x + q + 2048, _MM_HINT_T0);
+        _mm_prefetch(y + q + 2048, _MM_HINT_T0);
+        __m128i eq = _mm_set1_epi8(-1);
+        for (int k = 0; k < 64; k += 16) {
+            eq = _mm_and_si128(eq, _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + q + k)),
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(y + q + k))));
+        }
+        if (_mm_movemask_epi8(eq) != 0xFFFF) break;
+    }
+    return q;
+}
+
+#endif
+
+// Length of the common prefix of a[0:n] and b[0:n].
 template <class TI>
 int64_t common_prefix(const TI* a, const TI* b, int64_t n) {
     int64_t q = 0;
 #if OPID_STREAM_STORES
-    constexpr int64_t kBlock = 64 / sizeof(TI);
-    const char* pa = reinterpret_cast<const char*>(a);
-    const char* pb = reinterpret_cast<const char*>(b);
-    for (; q + kBlock <= n; q += kBlock) {
-        const char* x = pa + q * sizeof(TI);
-        const char* y = pb + q * sizeof(TI);
-        _mm_prefetch(x + 2048, _MM_HINT_T0);
-        _mm_prefetch(y + 2048, _MM_HINT_T0);
-        __m128i eq = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)),
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(y)));
-        for (int k = 16; k < 64; k += 16) {
-            eq = _mm_and_si128(eq, _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k)),
-                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(y + k))));
-        }
-        if (_mm_movemask_epi8(eq) != 0xFFFF) break;
-    }
+    const char* x = reinterpret_cast<const char*>(a);
+    const char* y = reinterpret_cast<const char*>(b);
+    const int64_t nbytes = n * static_cast<int64_t>(sizeof(TI));
+    q = equal_blocks(x, y, nbytes) / static_cast<int64_t>(sizeof(TI));
 #endif
     while (q < n && a[q] == b[q]) ++q;
     return q;
@@ -676,7 +681,7 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     Plan plan;
     {
         py::gil_scoped_release release;
-        const int threads = pick_threads(in.ntok);
+        const int threads = plain ? 1 : pick_threads(in.ntok);  // plain: lengths only
         with_tokens(in, [&](auto tok) {
         parallel_for(S, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t s = lo; s < hi; ++s) {
@@ -816,29 +821,25 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     auto pos_out = new_array<int32_t>(N);
     py::array_t<int32_t> br_out;  // the plain layout has no branches
     if (!plain) br_out = new_array<int32_t>(N);
-    py::array_t<float> mask_out;
-    if (plain) mask_out = new_array<float>(N);
+    py::array_t<bool> mask_out;
+    if (plain) mask_out = new_array<bool>(N);
     auto rows_out = new_array<int32_t>(M);
     auto tgt_out = new_array<int32_t>(M);
     auto cu_out = new_array<int32_t>(mb_cu[K]);
     auto ctx_start_out = new_array<int64_t>(C);
     auto ctx_mb_out = new_array<int64_t>(C);
-    py::array_t<float> gval_out, rval_out;
-    if (has_values) {
-        gval_out = new_array<float>(M);
-        if (plain) rval_out = new_array<float>(N);
-    }
+    py::array_t<float> gval_out;
+    if (has_values) gval_out = new_array<float>(M);
     int32_t* T = tokens_out.mutable_data();
     int32_t* P = pos_out.mutable_data();
     int32_t* B = plain ? nullptr : br_out.mutable_data();
-    float* LM = plain ? mask_out.mutable_data() : nullptr;
+    bool* LM = plain ? mask_out.mutable_data() : nullptr;
     int32_t* GR = rows_out.mutable_data();
     int32_t* GT = tgt_out.mutable_data();
     int32_t* CU = cu_out.mutable_data();
     int64_t* CS = ctx_start_out.mutable_data();
     int64_t* CM = ctx_mb_out.mutable_data();
     float* GV = has_values ? gval_out.mutable_data() : nullptr;
-    float* RV = (has_values && plain) ? rval_out.mutable_data() : nullptr;
 
     // --- fill (no GIL, parallel over groups)
     {
@@ -900,14 +901,9 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                             // Plain layout (the only one with per-row outputs): one context per group, all of it
                             // the "prefix", so rows t0 + q0 - 1 .. t0 + len - 2 predict the response; written in
                             // order, zeros around them.
-                            stream_fill32(LM + t0, 0.0f, q0 - 1);
-                            stream_fill32(LM + t0 + q0 - 1, 1.0f, r);
-                            stream_fill32(LM + t0 + len - 1, 0.0f, 1);
-                            if (RV) {
-                                stream_fill32(RV + t0, 0.0f, q0 - 1);
-                                stream_copy32(RV + t0 + q0 - 1, tv.p + value_off[c], r);
-                                stream_fill32(RV + t0 + len - 1, 0.0f, 1);
-                            }
+                            std::fill(LM + t0, LM + t0 + q0 - 1, false);
+                            std::fill(LM + t0 + q0 - 1, LM + t0 + q0 - 1 + r, true);
+                            LM[t0 + len - 1] = false;
                         }
                         m += r;
                         cursor += own;
@@ -934,10 +930,7 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     out["gather_rows"] = rows_out;
     out["gather_targets"] = tgt_out;
     out["cu_seqlens"] = cu_out;
-    if (has_values) {
-        out["gather_values"] = gval_out;
-        if (plain) out["row_values"] = rval_out;
-    }
+    if (has_values) out["gather_values"] = gval_out;
     out["num_ranks"] = ranks;
     out["micro_batches_per_rank"] = plan.per_rank;
     out["mb_token_offsets"] = to_np(mb_tok);
@@ -1136,63 +1129,68 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
             return dkind[k] == Kind::F32 ? static_cast<double>(static_cast<const float*>(dinfo[k].ptr)[t])
                                          : static_cast<const double*>(dinfo[k].ptr)[t];
         };
-        // pass 1: finiteness of the valid Δ, and (normalize) exact mean / population std per type
+        auto finite_at = [&](size_t k, int64_t t, int64_t n) {
+            return dkind[k] == Kind::F32 ? all_finite(static_cast<const float*>(dinfo[k].ptr) + t, n)
+                                         : all_finite(static_cast<const double*>(dinfo[k].ptr) + t, n);
+        };
+        // The first non-finite valid Δ (type by type, token by token, as the reference reports it), or "".
+        auto first_non_finite = [&]() -> std::string {
+            for (size_t k = 0; k < K; ++k) {
+                const uint8_t* mask = static_cast<const uint8_t*>(minfo[k].ptr);
+                for (int64_t s = 0, t = 0; s < S; t += rl[s], ++s) {
+                    if (!mask[s] || finite_at(k, t, rl[s])) continue;
+                    for (int64_t j = 0; j < rl[s]; ++j) {
+                        if (!std::isfinite(delta_at(k, t + j))) {
+                            return "deltas[" + std::to_string(k) + "][" + std::to_string(t + j) + "] is not finite";
+                        }
+                    }
+                }
+            }
+            return "";
+        };
+        // normalize: exact mean / population std of each type's valid Δ (after checking them all)
         std::vector<double> mu(K, 0.0), sd(K, 0.0);
         std::vector<int64_t> count(K, 0);
-        for (size_t k = 0; k < K && error.empty(); ++k) {
+        for (size_t k = 0; k < K; ++k) {
             const uint8_t* mask = static_cast<const uint8_t*>(minfo[k].ptr);
-            ExactSum sum;
-            int64_t t = 0;
-            for (int64_t s = 0; s < S && error.empty(); ++s) {
-                if (!mask[s]) {
-                    t += rl[s];
-                    continue;
-                }
-                const bool finite = dkind[k] == Kind::F32
-                                        ? all_finite(static_cast<const float*>(dinfo[k].ptr) + t, rl[s])
-                                        : all_finite(static_cast<const double*>(dinfo[k].ptr) + t, rl[s]);
-                for (int64_t j = 0; j < rl[s] && (normalize || !finite); ++j, ++t) {
-                    const double v = delta_at(k, t);
-                    if (!std::isfinite(v)) {
-                        error = "deltas[" + std::to_string(k) + "][" + std::to_string(t) + "] is not finite";
-                        break;
-                    }
-                    if (normalize) sum.add(v);
-                }
-                if (!normalize && finite) t += rl[s];
-                count[k] += rl[s];
+            for (int64_t s = 0; s < S; ++s) count[k] += mask[s] ? rl[s] : 0;
+        }
+        if (normalize) error = first_non_finite();
+        for (size_t k = 0; k < K && normalize && error.empty(); ++k) {
+            if (count[k] == 0) continue;
+            const uint8_t* mask = static_cast<const uint8_t*>(minfo[k].ptr);
+            ExactSum sum, sq;
+            for (int64_t s = 0, t = 0; s < S; t += rl[s], ++s) {
+                for (int64_t j = 0; mask[s] && j < rl[s]; ++j) sum.add(delta_at(k, t + j));
             }
-            if (!error.empty() || !normalize || count[k] == 0) continue;
             mu[k] = sum.result() / static_cast<double>(count[k]);
-            ExactSum sq;
-            t = 0;
-            for (int64_t s = 0; s < S; ++s) {
-                if (!mask[s]) {
-                    t += rl[s];
-                    continue;
-                }
-                for (int64_t j = 0; j < rl[s]; ++j, ++t) {
-                    const double x = delta_at(k, t) - mu[k];
+            for (int64_t s = 0, t = 0; s < S; t += rl[s], ++s) {
+                for (int64_t j = 0; mask[s] && j < rl[s]; ++j) {
+                    const double x = delta_at(k, t + j) - mu[k];
                     sq.add(x * x);
                 }
             }
             sd[k] = std::sqrt(sq.result() / static_cast<double>(count[k]));
         }
-        // pass 2: A = A_out + sum_k lambda_k * Delta'_k, in the reference's operation order (per token: start
-        // from A_out, add the types in order), vectorised over each sample's tokens in blocks.
+        // A = A_out + sum_k lambda_k * Delta'_k, in the reference's operation order (per token: start from A_out,
+        // add the types in order), vectorised over each sample's tokens in blocks. Without normalize the
+        // finiteness check rides along (every type, λ = 0 included); a failure is then located exactly.
         if (error.empty()) {
             std::vector<int64_t> start(S + 1, 0);
             for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + rl[s];
+            std::atomic<bool> bad{false};
             parallel_for(S, pick_threads(total), [&](int64_t lo, int64_t hi) {
                 constexpr int64_t kBlock = 512;
                 double acc[kBlock];
+                bool ok = true;
                 for (int64_t s = lo; s < hi; ++s) {
                     for (int64_t b0 = start[s]; b0 < start[s + 1]; b0 += kBlock) {
                         const int64_t n = std::min(kBlock, start[s + 1] - b0);
                         for (int64_t j = 0; j < n; ++j) acc[j] = ob[s];
                         for (size_t k = 0; k < K; ++k) {
-                            if (lam[k] == 0.0) continue;
                             const bool valid = static_cast<const uint8_t*>(minfo[k].ptr)[s] != 0;
+                            if (!normalize && valid) ok &= finite_at(k, b0, n);
+                            if (lam[k] == 0.0) continue;
                             Transform tf{lam[k], valid, normalize && count[k] > 0, sd[k] <= kStdFloor, mu[k], sd[k],
                                          has_clip, clip};
                             if (dkind[k] == Kind::F32) {
@@ -1204,7 +1202,9 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                         for (int64_t j = 0; j < n; ++j) o[b0 + j] = static_cast<float>(acc[j]);
                     }
                 }
+                if (!ok) bad = true;
             });
+            if (bad) error = first_non_finite();
         }
     }
     if (!error.empty()) throw py::value_error(error);

@@ -130,6 +130,7 @@ def bench_shape(name, shape, args):
     if out_py[1].tobytes() != out_c[1].tobytes():
         raise SystemExit(f"{name}: backends differ on token advantages")
     scoring = out_c[0]
+    del out_py, out_c  # time every run with the same memory held
     t_py, cpu_py = timed(lambda: pipeline(data, train, "python", args.budget, args.ranks, args.normalize),
                          args.repeats_py)
     t_c, cpu_c = timed(lambda: pipeline(data, train, "cpp", args.budget, args.ranks, args.normalize),
@@ -145,14 +146,14 @@ def bench_shape(name, shape, args):
         "scoring_tokens": scoring.num_tokens,
         "shared_fraction": round(scoring.shared_fraction, 4),
         "scoring_micro_batches": scoring.num_ranks * scoring.micro_batches_per_rank,
-        "python_s": round(t_py, 4),
-        "cpp_s": round(t_c, 4),
+        "python_s": round(t_py, 6),
+        "cpp_s": round(t_c, 6),
         "speedup": round(t_py / t_c, 2),
-        "python_cpu_s": round(cpu_py, 4),
-        "cpp_cpu_s": round(cpu_c, 4),
+        "python_cpu_s": round(cpu_py, 6),
+        "cpp_cpu_s": round(cpu_c, 6),
         "speedup_cpu": round(cpu_py / max(cpu_c, 1e-9), 2),
-        "fork_python_s": round(t_py_fork, 4),
-        "fork_cpp_s": round(t_c_fork, 4),
+        "fork_python_s": round(t_py_fork, 6),
+        "fork_cpp_s": round(t_c_fork, 6),
         "fork_speedup": round(t_py_fork / t_c_fork, 2),
         "fork_speedup_cpu": round(cpu_py_fork / max(cpu_c_fork, 1e-9), 2),
     }
@@ -183,7 +184,7 @@ def main(argv=None):
     if args.threads is not None:
         os.environ["OPID_BB_THREADS"] = str(args.threads)  # read by the extension at its first parallel call
     if args.repeats_py is None:
-        args.repeats_py = 3 if args.preset == "full" else 2
+        args.repeats_py = 5 if args.preset == "full" else 2
     if args.repeats_cpp is None:
         args.repeats_cpp = 9 if args.preset == "full" else 5
     if batching.backend_name() != "cpp":

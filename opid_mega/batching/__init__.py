@@ -16,13 +16,13 @@ Typical use (one training iteration):
 
 Arrays are numpy (torch CPU tensors are accepted and viewed with `.numpy()`, no copy). Flat outputs of the
 builders (keys of `PackedBatches.flat`), K = num_ranks * micro_batches_per_rank micro-batches, rank-major:
-- tokens int32 [N], position_ids int32 [N], branch_ids int32 [N] (fork layout only), loss_mask float32 [N] (plain
-  layout only: 1 on rows that predict a response token); micro-batch k owns [mb_token_offsets[k],
+- tokens int32 [N], position_ids int32 [N], branch_ids int32 [N] (fork layout only), loss_mask bool [N] (plain
+  layout only: True on rows that predict a response token); micro-batch k owns [mb_token_offsets[k],
   mb_token_offsets[k+1]).
 - cu_seqlens int32, per micro-batch [groups+1] (local), sliced by mb_cu_offsets.
 - gather_rows int32 [M] (row indices local to the micro-batch; row r predicts the next token of its branch),
   gather_targets int32 [M], gather_values float32 [M] (the given token values, e.g. advantages), sliced by
-  mb_gather_offsets; row_values float32 [N] (plain layout only: the value at each predicting row, 0 elsewhere).
+  mb_gather_offsets (`MicroBatch.dense_values()` scatters them to the rows: plain layout).
 - ctx_gather_start int64 [C]: where context c's resp_len gathered values start in the concatenation of all
   micro-batches' M; ctx_micro_batch int64 [C].
 - groups: group_sample_offsets/group_samples (CSR, samples of each group), group_prefix_lens, group_tokens,
@@ -112,12 +112,21 @@ class MicroBatch:
     gather_rows: np.ndarray
     gather_targets: np.ndarray
     gather_values: Optional[np.ndarray]
-    row_values: Optional[np.ndarray]
     group_ids: np.ndarray
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.size)
+
+    def dense_values(self) -> np.ndarray:
+        """`gather_values` scattered to their rows: float32 [num_tokens], 0 on rows that predict no response token
+        (a Megatron-style per-token advantage beside `loss_mask`; on a GPU, scatter after the copy instead: M
+        values travel instead of N). Plain layout only (in the fork layout several branches share a row)."""
+        if self.gather_values is None or self.loss_mask is None:
+            raise ValueError("dense_values needs a plain (training) micro-batch built with token_values")
+        out = np.zeros(self.num_tokens, np.float32)
+        out[self.gather_rows] = self.gather_values
+        return out
 
 
 @dataclass
@@ -157,14 +166,12 @@ class PackedBatches:
         c0, c1 = f["mb_cu_offsets"][k], f["mb_cu_offsets"][k + 1]
         g0, g1 = f["mb_group_offsets"][k], f["mb_group_offsets"][k + 1]
         gv = f.get("gather_values")
-        rv = f.get("row_values")
         return MicroBatch(
             rank=rank, index=index, tokens=f["tokens"][t0:t1], position_ids=f["position_ids"][t0:t1],
             branch_ids=f["branch_ids"][t0:t1] if "branch_ids" in f else None, cu_seqlens=f["cu_seqlens"][c0:c1],
             loss_mask=f["loss_mask"][t0:t1] if "loss_mask" in f else None,
             gather_rows=f["gather_rows"][m0:m1], gather_targets=f["gather_targets"][m0:m1],
-            gather_values=None if gv is None else gv[m0:m1], row_values=None if rv is None else rv[t0:t1],
-            group_ids=f["mb_group_ids"][g0:g1])
+            gather_values=None if gv is None else gv[m0:m1], group_ids=f["mb_group_ids"][g0:g1])
 
     def micro_batches(self, rank: int) -> List[MicroBatch]:
         return [self.micro_batch(rank, j) for j in range(self.micro_batches_per_rank)]
@@ -215,7 +222,7 @@ def build_train_batches(tokens, seq_offsets, resp_lens, budget: int, num_ranks: 
     """Plain training micro-batches: one sequence (prompt + response) per sample, branch ids 0.
 
     `token_values` float32 [sum resp_lens] (e.g. `token_advantages(...)`) comes back aligned to the gather rows
-    (`gather_values`) and to the predicting rows (`row_values`, zeros elsewhere, with `loss_mask`).
+    (`gather_values`, M values; `MicroBatch.dense_values()` scatters them to the N rows beside `loss_mask`).
     """
     tokens, seq_offsets, resp_lens = _np(tokens), _np(seq_offsets), _np(resp_lens)
     token_values = None if token_values is None else _np(token_values)

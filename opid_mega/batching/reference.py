@@ -105,8 +105,6 @@ def build_batches(tokens, ctx_offsets, resp_lens, sample_offsets, budget: int, n
         keys.append("branch_ids")
     if token_values is not None:
         keys.append("gather_values")
-        if plain:
-            keys.append("row_values")
     parts = {k: [] for k in keys}
     mb_tok, mb_gather, mb_cu = [0], [0], [0]
     ctx_gather_start = np.zeros(resp_lens.size, np.int64)

@@ -235,10 +235,9 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
     """Pack the given groups (in this order) into one micro-batch.
 
     Returns int32 tokens/position_ids/branch_ids [N], cu_seqlens [G+1], gather_rows/gather_targets [M] (rows
-    local to this micro-batch), loss_mask float32 [N] (plain only: 1 on rows that predict a response token), per context
-    `ctx_gather_start` (local offset into M, dict context -> start), and `gather_values` float32 [M] /
-    `row_values` float32 [N] (plain only) when `token_values` (float32 per response token, CSR by
-    `value_offsets` per context) is given.
+    local to this micro-batch), loss_mask bool [N] (plain only: True on rows that predict a response token), per context
+    `ctx_gather_start` (local offset into M, dict context -> start), and `gather_values` float32 [M] when
+    `token_values` (float32 per response token, CSR by `value_offsets` per context) is given.
     """
     tok_parts, pos_parts, br_parts = [], [], []
     rows_parts, tgt_parts, val_parts = [], [], []
@@ -287,16 +286,12 @@ def fill_micro_batch(tokens, ctx_offsets, resp_lens, sample_offsets, groups: Gro
         "ctx_gather_start": ctx_start,
     }
     if plain:
-        loss_mask = np.zeros(row, np.float32)
-        loss_mask[out["gather_rows"]] = 1.0
+        loss_mask = np.zeros(row, np.bool_)
+        loss_mask[out["gather_rows"]] = True
         out["loss_mask"] = loss_mask
     if token_values is not None:
         vals = np.concatenate(val_parts).astype(np.float32) if val_parts else np.zeros(0, np.float32)
         out["gather_values"] = vals
-        if plain:
-            row_values = np.zeros(row, np.float32)
-            row_values[out["gather_rows"]] = vals
-            out["row_values"] = row_values
     return out
 
 

@@ -42,7 +42,10 @@ def valid_batch(rng, plain):
     resp = np.array([rng.integers(0, ln) for ln in lens], np.int64)
     co = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     so = np.concatenate([[0], np.cumsum(ctx_per)]).astype(np.int64)
-    tokens = rng.integers(0, 3, int(co[-1])).astype(np.int64)
+    tokens = rng.integers(0, 3, int(co[-1])).astype(pick(rng, [np.int64, np.int32]))
+    if tokens.size and rng.random() < 0.1:  # an int64 id that does not fit the packed int32
+        tokens = tokens.astype(np.int64)
+        tokens[int(rng.integers(0, tokens.size))] = pick(rng, [2**31, -(2**31) - 1, 2**62])
     return [tokens, co, resp, so]
 
 

@@ -240,7 +240,9 @@ def test_advantages_flow_into_train_batches():
     for rank in range(2):
         for mb in train.micro_batches(rank):
             assert mb.tokens.size <= 400
-            np.testing.assert_array_equal(mb.row_values[mb.gather_rows], mb.gather_values)
+            dense = mb.dense_values()
+            np.testing.assert_array_equal(dense[mb.gather_rows], mb.gather_values)
+            assert (dense[~mb.loss_mask] == 0).all() and mb.loss_mask.dtype == np.bool_
             assert mb.loss_mask.sum() == mb.gather_rows.size
             np.testing.assert_array_equal(mb.tokens[mb.gather_rows + 1], mb.gather_targets)
 
@@ -300,6 +302,29 @@ def test_clear_errors(backend):
                               [np.ones(1, bool)], [-1.0])
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_non_finite_delta_reported_identically(normalize):
+    """A NaN/inf in a routed sample's Δ is an error even for λ = 0 (the first one, type by type); one in a sample
+    the mask leaves out is ignored. Both backends name the same element."""
+    rl = np.array([3, 600, 2], np.int64)
+    a_out = np.array([0.5, -0.5, 1.0])
+    masks = [np.array([True, True, False]), np.array([False, True, True])]
+    for bad_k, bad_t, lam, raises in [(0, 7, 0.0, True), (1, 400, 1.0, True), (0, 604, 1.0, False),
+                                      (1, 1, 1.0, False)]:
+        deltas = [np.linspace(-1, 1, 605).astype(np.float32), np.linspace(1, 2, 605)]
+        deltas[bad_k][bad_t] = np.inf if bad_t % 2 else np.nan
+        lams = [lam, 1.0] if bad_k == 0 else [1.0, lam]
+        outs = []
+        for impl in (ref, _C):
+            if raises:
+                with pytest.raises(ValueError, match=rf"deltas\[{bad_k}\]\[{bad_t}\] is not finite"):
+                    impl.token_advantages(a_out, rl, deltas, masks, lams, normalize, None)
+            else:
+                outs.append(impl.token_advantages(a_out, rl, deltas, masks, lams, normalize, None))
+        if outs:
+            assert outs[0].tobytes() == outs[1].tobytes() and np.isfinite(outs[0]).all()
+
+
 def test_fallback_warns_once():
     code = (
         "import sys, warnings\n"
@@ -337,7 +362,8 @@ def test_pool_reuse_never_aliases_live_arrays():
 
 
 def test_threads_do_not_change_outputs():
-    """The threaded fill (several workers over ~1.5M tokens) equals the single-threaded one, byte for byte."""
+    """The threaded fill (several workers over ~1.5M tokens) equals the single-threaded one, byte for byte (fork and
+    plain layouts, int32 and int64 token input)."""
     code = (
         "import hashlib, sys\n"
         "import numpy as np\n"
@@ -345,10 +371,15 @@ def test_threads_do_not_change_outputs():
         "from batch_builder_helpers import random_alfworld_like\n"
         "from opid_mega import _C\n"
         "ctx, _, _ = random_alfworld_like(np.random.default_rng(0), 4, 8, 10, prompt=(1500, 2500))\n"
-        "out = _C.build_batches(ctx.tokens, ctx.ctx_offsets, ctx.resp_lens, ctx.sample_offsets, 65536, 2)\n"
         "h = hashlib.sha256()\n"
-        "for k, v in sorted(out.items()):\n"
-        "    h.update(k.encode() + (v.tobytes() if hasattr(v, 'tobytes') else str(v).encode()))\n"
+        "tv = np.linspace(-1, 1, int(ctx.resp_lens.sum())).astype(np.float32)\n"
+        "for tokens in (ctx.tokens, ctx.tokens.astype(np.int64)):\n"
+        "    for plain in (False, True):\n"
+        "        co, rl = ctx.ctx_offsets, ctx.resp_lens\n"
+        "        so = np.arange(co.size, dtype=np.int64) if plain else ctx.sample_offsets\n"
+        "        out = _C.build_batches(tokens, co, rl, so, 65536, 2, plain=plain, token_values=tv)\n"
+        "        for k, v in sorted(out.items()):\n"
+        "            h.update(k.encode() + (v.tobytes() if hasattr(v, 'tobytes') else str(v).encode()))\n"
         "print(ctx.tokens.size, h.hexdigest())\n"
     )
     digests = []
