@@ -299,19 +299,25 @@ void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int6
 // read-for-ownership of every destination cache line, which is a third of the memory traffic of these loops.
 // Each worker calls store_fence() before its data is published (end of its chunk).
 #if OPID_STREAM_STORES
-// Scalar head until dst is 16-byte aligned (as _mm_stream_si128 needs); returns the first aligned index.
-// (AVX2 and AVX-512 streaming stores were measured too: no faster here, the loops are bound by memory.)
-inline int64_t align_head(const int32_t* dst, int64_t n) {
-    int64_t i = 0;
-    while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0) ++i;
-    return i;
+// Streaming stores cover whole 64-byte lines only, [head, body): the partial lines at both ends of a run get
+// ordinary stores, so no line is written half through the cache and half around it (runs are short: a prompt
+// tail, a response). (AVX2 and AVX-512 streaming stores were measured too: no faster, the loops are memory-bound.)
+struct Lines {
+    int64_t head, body;
+};
+
+inline Lines whole_lines(const int32_t* dst, int64_t n) {
+    int64_t head = 0;
+    while (head < n && (reinterpret_cast<uintptr_t>(dst + head) & 63) != 0) ++head;
+    return {head, head + (n - head) / 16 * 16};
 }
 
 inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
-    int64_t i = align_head(dst, n);
+    const Lines L = whole_lines(dst, n);
+    int64_t i = L.head;
     for (int64_t j = 0; j < i; ++j) dst[j] = start + static_cast<int32_t>(j);
     __m128i v = _mm_add_epi32(_mm_set1_epi32(start + static_cast<int32_t>(i)), _mm_setr_epi32(0, 1, 2, 3));
-    for (; i + 4 <= n; i += 4) {
+    for (; i < L.body; i += 4) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), v);
         v = _mm_add_epi32(v, _mm_set1_epi32(4));
     }
@@ -319,31 +325,50 @@ inline void stream_iota32(int32_t* dst, int32_t start, int64_t n) {
 }
 
 inline void stream_fill32(int32_t* dst, int32_t value, int64_t n) {
-    int64_t i = align_head(dst, n);
+    const Lines L = whole_lines(dst, n);
+    int64_t i = L.head;
     std::fill(dst, dst + i, value);
-    for (; i + 4 <= n; i += 4) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_set1_epi32(value));
+    for (; i < L.body; i += 4) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_set1_epi32(value));
     for (; i < n; ++i) dst[i] = value;
 }
 
-inline void stream_tokens(int32_t* dst, const int32_t* src, int64_t n) {
-    int64_t i = align_head(dst, n);
+// Token ids -> int32 output. Returns whether every id fits int32 (always, for int32 input).
+inline bool stream_tokens(int32_t* dst, const int32_t* src, int64_t n) {
+    const Lines L = whole_lines(dst, n);
+    int64_t i = L.head;
     std::copy(src, src + i, dst);
-    for (; i + 4 <= n; i += 4) {
+    for (; i < L.body; i += 4) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     }
     for (; i < n; ++i) dst[i] = src[i];
+    return true;
 }
 
-// int64 token ids (already checked to fit int32) -> int32: keep the low 32 bits of each.
-inline void stream_tokens(int32_t* dst, const int64_t* src, int64_t n) {
-    int64_t i = align_head(dst, n);
-    for (int64_t j = 0; j < i; ++j) dst[j] = static_cast<int32_t>(src[j]);
-    for (; i + 4 <= n; i += 4) {
-        const __m128i a = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), 0x88);
-        const __m128i b = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 2)), 0x88);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_unpacklo_epi64(a, b));
+// int64 ids keep their low 32 bits; one fits iff its high half equals the sign of its low half (checked on the way:
+// the caller raises, naming the first id that does not fit, when any of them fails).
+inline bool stream_tokens(int32_t* dst, const int64_t* src, int64_t n) {
+    const Lines L = whole_lines(dst, n);
+    int64_t i = L.head;
+    bool fits = true;
+    for (int64_t j = 0; j < i; ++j) {
+        dst[j] = static_cast<int32_t>(src[j]);
+        fits &= dst[j] == src[j];
     }
-    for (; i < n; ++i) dst[i] = static_cast<int32_t>(src[i]);
+    __m128i all = _mm_set1_epi32(-1);
+    for (; i < L.body; i += 4) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 2));
+        all = _mm_and_si128(all, _mm_cmpeq_epi32(x, _mm_shuffle_epi32(_mm_srai_epi32(x, 31), 0xA0)));
+        all = _mm_and_si128(all, _mm_cmpeq_epi32(y, _mm_shuffle_epi32(_mm_srai_epi32(y, 31), 0xA0)));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm_unpacklo_epi64(_mm_shuffle_epi32(x, 0x88), _mm_shuffle_epi32(y, 0x88)));
+    }
+    fits &= (_mm_movemask_ps(_mm_castsi128_ps(all)) & 0xA) == 0xA;  // the high-half lanes
+    for (; i < n; ++i) {
+        dst[i] = static_cast<int32_t>(src[i]);
+        fits &= dst[i] == src[i];
+    }
+    return fits;
 }
 
 // float outputs are streamed as their 32-bit patterns (the buffers are raw memory that only numpy reads back).
@@ -366,8 +391,13 @@ inline void stream_fill32(int32_t* dst, int32_t value, int64_t n) { std::fill(ds
 inline void stream_fill32(float* dst, float value, int64_t n) { std::fill(dst, dst + n, value); }
 inline void stream_copy32(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
 template <class TI>
-inline void stream_tokens(int32_t* dst, const TI* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int32_t>(src[i]);
+inline bool stream_tokens(int32_t* dst, const TI* src, int64_t n) {
+    bool fits = true;
+    for (int64_t i = 0; i < n; ++i) {
+        dst[i] = static_cast<int32_t>(src[i]);
+        fits &= dst[i] == src[i];
+    }
+    return fits;
 }
 inline void store_fence() {}
 #endif
@@ -509,28 +539,12 @@ void with_tokens(const Ctx& in, F&& f) {
     }
 }
 
-// First index of t[0:n] whose value does not fit int32, or -1 (branch-free per block so that it vectorises).
-int64_t first_not_int32(const int64_t* t, int64_t n, int threads) {
-    constexpr int64_t kBlock = 1 << 16;
-    const int64_t blocks = (n + kBlock - 1) / kBlock;
-    std::atomic<int64_t> first_bad{INT64_MAX};
-    parallel_for(blocks, threads, [&](int64_t lo, int64_t hi) {
-        for (int64_t b = lo; b < hi; ++b) {
-            const int64_t i0 = b * kBlock, i1 = std::min(n, i0 + kBlock);
-            bool bad = false;
-            for (int64_t i = i0; i < i1; ++i) bad |= (t[i] < INT32_MIN) | (t[i] > INT32_MAX);
-            if (!bad) continue;
-            for (int64_t i = i0; i < i1; ++i) {
-                if (t[i] < INT32_MIN || t[i] > INT32_MAX) {
-                    int64_t cur = first_bad.load();
-                    while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
-                    }
-                    break;
-                }
-            }
-        }
-    });
-    return first_bad.load() == INT64_MAX ? -1 : first_bad.load();
+// First index of t[0:n] whose value does not fit int32, or -1 (the error path of the fill's check).
+int64_t first_not_int32(const int64_t* t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (t[i] < INT32_MIN || t[i] > INT32_MAX) return i;
+    }
+    return -1;
 }
 
 inline uint64_t mix(uint64_t h, uint64_t x) {
@@ -645,17 +659,6 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                 throw py::value_error("sample_offsets: plain layout needs exactly one context per sample, sample " +
                                       std::to_string(s) + " has " + std::to_string(in.so[s + 1] - in.so[s]));
             }
-        }
-    }
-    if (in.t64 != nullptr) {
-        int64_t bad;
-        {
-            py::gil_scoped_release release;
-            bad = first_not_int32(in.t64, in.ntok, pick_threads(in.ntok));
-        }
-        if (bad >= 0) {
-            throw py::value_error("tokens[" + std::to_string(bad) + "]=" + std::to_string(in.t64[bad]) +
-                                  " does not fit in int32 (packed token ids are int32)");
         }
     }
     const int64_t budget = check_int("budget", budget_o, 1, kMaxInt32);
@@ -841,7 +844,9 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
     int64_t* CM = ctx_mb_out.mutable_data();
     float* GV = has_values ? gval_out.mutable_data() : nullptr;
 
-    // --- fill (no GIL, parallel over groups)
+    // --- fill (no GIL, parallel over groups). Every token id passes through a copy here (a shared prefix equals
+    // the copied one), so int64 ids are range-checked on the way rather than in a pass of their own.
+    std::atomic<bool> all_fit{true};
     {
         py::gil_scoped_release release;
         std::vector<int64_t> value_off;
@@ -867,7 +872,7 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                 const int64_t t0 = grp_tok_start[g];
                 const int64_t l0 = grp_row_start[g];
                 const int64_t first = in.co[in.so[grp_samples[grp_off[g]]]];
-                stream_tokens(T + t0, tok + first, p);
+                bool fits = stream_tokens(T + t0, tok + first, p);
                 stream_iota32(P + t0, 0, static_cast<int32_t>(p));
                 if (B) stream_fill32(B + t0, 0, p);
                 int64_t cursor = t0 + p;  // global token index
@@ -882,7 +887,7 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                         const int64_t len = in.co[c + 1] - o;
                         const int64_t r = in.rl[c];
                         const int64_t own = len - p;
-                        stream_tokens(T + cursor, tok + o + p, own);
+                        fits &= stream_tokens(T + cursor, tok + o + p, own);
                         stream_iota32(P + cursor, static_cast<int32_t>(p), own);
                         if (B) stream_fill32(B + cursor, branch, own);
                         CS[c] = m;
@@ -910,10 +915,17 @@ py::dict build_batches(py::object tokens_o, py::object ctx_offsets_o, py::object
                         lrow += own;
                     }
                 }
+                if (!fits) all_fit = false;
             }
             store_fence();
         });
         });
+    }
+    if (!all_fit) {  // only int64 input can fail; name the first id that does not fit
+        const int64_t bad = first_not_int32(in.t64, in.ntok);
+        if (bad < 0) throw std::logic_error("batch builder: int32 range check failed without a culprit");
+        throw py::value_error("tokens[" + std::to_string(bad) + "]=" + std::to_string(in.t64[bad]) +
+                              " does not fit in int32 (packed token ids are int32)");
     }
 
     // --- small outputs

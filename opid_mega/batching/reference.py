@@ -21,6 +21,7 @@ from opid_mega.scoring.layout import (
     MAX_INT32,
     check_array,
     check_contexts,
+    check_token_range,
     fill_micro_batch,
     group_samples,
     sample_prefix_lengths,
@@ -121,6 +122,7 @@ def build_batches(tokens, ctx_offsets, resp_lens, sample_offsets, budget: int, n
         mb_tok.append(mb_tok[-1] + mb["tokens"].size)
         mb_gather.append(mb_gather[-1] + mb["gather_rows"].size)
         mb_cu.append(mb_cu[-1] + mb["cu_seqlens"].size)
+    check_token_range(tokens)
     out = {key: np.concatenate(parts[key]) for key in keys}
     out.update(
         num_ranks=num_ranks,

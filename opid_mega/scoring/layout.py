@@ -139,6 +139,11 @@ def check_contexts(tokens, ctx_offsets, resp_lens, sample_offsets, plain: bool =
         if multi.size:
             raise ValueError(f"sample_offsets: plain layout needs exactly one context per sample, sample "
                              f"{int(multi[0])} has {int(np.diff(sample_offsets)[multi[0]])}")
+
+
+def check_token_range(tokens) -> None:
+    """Packed token ids are int32: int64 input must fit. (The builders check this last, after every other error,
+    because the C++ one checks while it copies.)"""
     if tokens.dtype == np.int64 and tokens.size:
         bad = np.flatnonzero((tokens < INT32_MIN) | (tokens > MAX_INT32))
         if bad.size:

@@ -274,6 +274,8 @@ def test_clear_errors(backend):
         call(tokens=np.array([1, 2, 2**31, 4], np.int64))
     with pytest.raises(ValueError, match=r"tokens\[0\]=-2147483649 does not fit in int32"):
         call(tokens=np.array([-(2**31) - 1, 2, 3, 2**40], np.int64))
+    with pytest.raises(ValueError, match="sample 0 needs 4 tokens"):  # the id range is checked last
+        call(tokens=np.array([1, 2, 2**31, 4], np.int64), budget=3)
     with pytest.raises(ValueError, match="tokens"):
         call(tokens=np.arange(8, dtype=np.int64)[::2])
     with pytest.raises(ValueError, match="ctx_offsets"):
