@@ -3,9 +3,11 @@
 // opid_mega/scoring/layout.py (read those for the semantics; this file mirrors them step by step).
 //
 // Inputs are 1-D C-contiguous buffers (numpy arrays; torch CPU tensors via .numpy()), never cast or copied:
-// a wrong dtype is a TypeError, a bad shape/offset/length a ValueError naming the argument. The GIL is
-// released while working; the per-group fill and the per-sample prefix scan run on std::threads when the
-// batch is large enough to pay for them.
+// a wrong dtype is a TypeError, a bad shape/offset/length a ValueError naming the argument. Token ids come as
+// int32 or int64 and are packed as int32 (int64 ids must fit). The GIL is released while working; the
+// per-group fill and the per-sample prefix scan run on std::threads when the batch is large enough to pay for
+// them. Everything here is bound by memory bandwidth: the packed outputs are written once, with streaming
+// stores on whole cache lines.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
