@@ -1038,24 +1038,22 @@ py::array_t<double> outcome_advantage(py::object scores_o, py::object group_ids_
 }
 
 // No NaN or infinity in x[0:n]: no value with an all-ones exponent (integer test on the bits: it vectorises).
-inline bool all_finite(const float* x, int64_t n) {
-    uint32_t bad = 0;
+// U is the same-sized unsigned integer, E the exponent mask of D.
+template <class D, class U, U E>
+bool all_finite_bits(const D* x, int64_t n) {
+    static_assert(sizeof(D) == sizeof(U), "U must have D's size");
+    U bad = 0;
     for (int64_t j = 0; j < n; ++j) {
-        uint32_t bits;
+        U bits;
         std::memcpy(&bits, x + j, sizeof(bits));
-        bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+        bad |= static_cast<U>((bits & E) == E);
     }
     return bad == 0;
 }
 
+inline bool all_finite(const float* x, int64_t n) { return all_finite_bits<float, uint32_t, 0x7F800000u>(x, n); }
 inline bool all_finite(const double* x, int64_t n) {
-    uint64_t bad = 0;
-    for (int64_t j = 0; j < n; ++j) {
-        uint64_t bits;
-        std::memcpy(&bits, x + j, sizeof(bits));
-        bad |= static_cast<uint64_t>((bits & 0x7FF0000000000000ull) == 0x7FF0000000000000ull);
-    }
-    return bad == 0;
+    return all_finite_bits<double, uint64_t, 0x7FF0000000000000ull>(x, n);
 }
 
 // How one skill type's Δ enters the advantage of one sample's tokens (reference.token_advantages, per token):
