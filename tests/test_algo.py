@@ -138,29 +138,31 @@ def test_combine_advantages_reference(seed):
 
 
 def ref_ppo(lp, olp, adv, mask, cl, ch, c, agg):
+    """Plain-Python float64 reference (Python floats in and out: pytest.approx never sees a tensor)."""
+    lp, olp, adv, m = lp.tolist(), olp.tolist(), adv.tolist(), mask.tolist()
+    rows, cols = len(lp), len(lp[0])
     losses, clipped, dual = [], [], []
-    for i in range(lp.shape[0]):
+    for i in range(rows):
         row = []
-        for j in range(lp.shape[1]):
-            r = math.exp(max(-20, min(20, lp[i, j] - olp[i, j])))
-            a = adv[i, j]
+        for j in range(cols):
+            r = math.exp(max(-20, min(20, lp[i][j] - olp[i][j])))
+            a = adv[i][j]
             l1, l2 = -a * r, -a * min(max(r, 1 - cl), 1 + ch)
             l = max(l1, l2)
-            if mask[i, j]:
+            if m[i][j]:
                 clipped.append(1.0 if l2 > l1 else 0.0)
                 dual.append(1.0 if (a < 0 and l > -a * c) else 0.0)
             if a < 0:
                 l = min(l, -a * c)
             row.append(l)
         losses.append(row)
-    m = mask
     if agg == "token-mean":
-        tot = sum(losses[i][j] for i in range(len(losses)) for j in range(len(losses[0])) if m[i, j])
-        loss = tot / max(1, int(m.sum()))
+        tot = sum(losses[i][j] for i in range(rows) for j in range(cols) if m[i][j])
+        loss = tot / max(1, int(sum(map(sum, m))))
     else:
         per = []
-        for i in range(len(losses)):
-            vals = [losses[i][j] for j in range(len(losses[0])) if m[i, j]]
+        for i in range(rows):
+            vals = [losses[i][j] for j in range(cols) if m[i][j]]
             if vals:
                 per.append(sum(vals) if agg == "seq-mean-token-sum" else sum(vals) / len(vals))
         loss = sum(per) / max(1, len(per))
@@ -177,6 +179,7 @@ def test_ppo_policy_loss_matches_reference(agg, seed):
     mask = (torch.rand(4, 8, generator=g) > 0.25).double()
     loss, m = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, agg)
     want, cf, cfd = ref_ppo(logp.detach(), old, adv, mask, 0.2, 0.28, 3.0, agg)
+    assert isinstance(want, float)
     assert loss.item() == pytest.approx(want, rel=1e-12)
     assert m["clipfrac"].item() == pytest.approx(cf)
     assert m["clipfrac_dual"].item() == pytest.approx(cfd)

@@ -24,3 +24,21 @@ def test_ci_runs_the_readme_commands():
 def test_ci_fails_on_pytest_exit_5():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert re.search(r"-eq 5 \].*exit 1", ci)
+
+
+def test_install_uses_the_constraints_file():
+    install, _ = _readme_commands()
+    assert "-c tools/constraints.txt" in install
+    pins = {}
+    for line in open(os.path.join(ROOT, "tools", "constraints.txt")).read().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version and " " not in line, f"not an exact pin: {line!r}"
+            pins[name] = version
+    for name in ("torch", "pytest", "hypothesis", "transformers", "megatron-core", "triton", "sglang", "textworld",
+                 "jericho", "bm25s", "numpy"):
+        assert name in pins, f"{name} is not pinned in tools/constraints.txt"
+    assert pins["torch"].startswith("2.13.0") and "opid-mega" not in pins
+    # the SGLang CPU installer applies the same file unless told otherwise
+    script = open(os.path.join(ROOT, "tools", "install_sglang_cpu.sh")).read()
+    assert "tools/constraints.txt" in script and '"${pin_args[@]}"' in script

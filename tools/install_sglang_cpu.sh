@@ -19,9 +19,22 @@
 #
 # Idempotent: exits at once when sglang 0.5.23 is installed and torch is unchanged. Safe in CI: it never installs a
 # torch wheel (it fails with a clear message if torch is missing or is not 2.13.x), it only adds packages.
+#
+# Constraints: the project's pinned versions (tools/constraints.txt, the exact set the test suite last passed with)
+# apply here too; OPID_CONSTRAINTS=FILE uses another file, OPID_CONSTRAINTS=none none (tools/update_constraints.sh).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PROJECT_CONSTRAINTS="${OPID_CONSTRAINTS:-$ROOT/tools/constraints.txt}"
+pin_args=()
+if [[ "$PROJECT_CONSTRAINTS" != "none" ]]; then
+    if [[ ! -f "$PROJECT_CONSTRAINTS" ]]; then
+        echo "install_sglang_cpu.sh: constraints file $PROJECT_CONSTRAINTS not found (OPID_CONSTRAINTS=none to install unpinned)" >&2
+        exit 1
+    fi
+    pin_args=(-c "$PROJECT_CONSTRAINTS")
+fi
 SGLANG_VERSION="0.5.23"
 TORCH_VERSION="2.13.0"
 
@@ -134,7 +147,7 @@ zstandard
 REQ
 
 echo "install_sglang_cpu.sh: installing sglang's CPU-usable requirements (torch stays $torch_version)"
-"$PYTHON" -m pip install --prefer-binary -c "$workdir/constraints.txt" -r "$workdir/requirements.txt"
+"$PYTHON" -m pip install --prefer-binary -c "$workdir/constraints.txt" "${pin_args[@]}" -r "$workdir/requirements.txt"
 echo "install_sglang_cpu.sh: installing sglang==$SGLANG_VERSION --no-deps"
 "$PYTHON" -m pip install --no-deps "sglang==$SGLANG_VERSION"
 
