@@ -17,17 +17,108 @@ from typing import Optional, Sequence
 from opid_mega.config import ConfigError, load_config
 
 
-def _quiet() -> None:
+def available_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (taskset, cpusets), capped by a cgroup CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:  # cgroup v2 quota, e.g. "200000 100000" = 2 cores ("max 100000" = no quota)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def configure_threads() -> int:
+    """torch's intra-op threads: OMP_NUM_THREADS when set, else the available cores split among the local ranks.
+
+    torch's OpenMP threads spin while they wait, so two processes that each take every core slow each other down
+    several-fold; a torchrun rank gets its share of the cores (LOCAL_WORLD_SIZE). Returns the thread count."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return torch.get_num_threads()  # the user's choice (torch read it at start)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    n = max(1, available_cores() // local)
+    torch.set_num_threads(n)
+    return n
+
+
+def filter_dependency_warnings() -> None:
+    """Warnings that dependencies raise and a user can do nothing about (see also pyproject's pytest filters)."""
     import warnings
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one CPU thread per rank
-        import torch
-
-        torch.set_num_threads(1)
-
+    # SWIG-generated modules (TextWorld's / jericho's / fast-downward's bindings) on import
+    warnings.filterwarnings("ignore", message=r"builtin type [Ss]wig\w* has no __module__ attribute",
+                            category=DeprecationWarning)
+    # megatron-core's own deprecation notices for arguments we do not pass
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core")
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
+
+
+def _quiet() -> None:
+    filter_dependency_warnings()
+    configure_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def first_run_notice(cfg) -> str:
+    """One line: what this run builds once (cached under ~/.cache/opid_mega) and roughly how long that takes here.
+
+    Estimates are from the 2-core CI machine (tiny-qwen3 built in ~10 s, a TextWorld game in ~5 s, an opid-sft
+    epoch over 16 coin-collector games in ~3 s); other machines and models differ."""
+    from opid_mega.models import BUILTIN_MODELS, is_prepared
+
+    parts, seconds = [], 0.0
+    model_missing = False
+    if not cfg.model.path and cfg.model.init_from in ("", "sft"):  # the built-in model is the starting point
+        target = Path(os.path.expanduser(cfg.model.cache_dir)) / cfg.model.builtin
+        if cfg.model.builtin in BUILTIN_MODELS and not is_prepared(target, cfg.model.builtin):
+            model_missing = True
+            est = 40.0 if cfg.model.builtin == "smollm2-135m" else 10.0
+            parts.append(f"the {cfg.model.builtin} model (~{est:.0f} s)")
+            seconds += est
+    try:
+        from opid_mega.trainer import env_factory
+
+        env = env_factory(cfg)()
+        unprepared = getattr(env, "unprepared", None)
+        if unprepared is not None and hasattr(env, "task_pool"):
+            splits = {cfg.env.train_split, cfg.env.eval_split}
+            n = sum(unprepared(env.task_pool(s)) for s in splits)
+            if n:
+                parts.append(f"{n} {cfg.env.name} games (~{5 * n:.0f} s)")
+                seconds += 5.0 * n
+        env.close()
+    except Exception:  # noqa: BLE001 - the notice never stops a run; the env reports its own errors later
+        pass
+    if cfg.model.init_from == "sft":
+        cached = False
+        if not model_missing:
+            try:
+                from opid_mega.sft import is_cached
+
+                cached = is_cached(cfg)
+            except Exception:  # noqa: BLE001
+                cached = False
+        if not cached:
+            pool = cfg.env.options.get("pool_size", {}) if isinstance(cfg.env.options, dict) else {}
+            games = pool.get(cfg.env.train_split, 16) if isinstance(pool, dict) else 16
+            tiny = cfg.model.builtin.startswith("tiny") and not cfg.model.path
+            est = cfg.sft.epochs * 3.0 * max(1, int(games)) / 16 if tiny else None
+            parts.append(f"the opid-sft warm start ({cfg.sft.epochs} epochs" +
+                         (f", ~{est / 60:.0f} min)" if est else ", minutes to hours by model size)"))
+            seconds += est or 0.0
+    if not parts:
+        return "opid-train: model, games and warm start found in the cache; starting"
+    when = f"; roughly {max(1, round(seconds / 60))} min on 2 cores" if seconds else ""
+    return ("opid-train: first run of this config: building once (cached under ~/.cache/opid_mega) "
+            + ", ".join(parts) + when + "; later runs skip this")
 
 
 def _load(config: Optional[str], overrides: Sequence[str]):
@@ -59,6 +150,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = _load(args.config, args.overrides)
         run_dir = Path(args.run_dir or cfg.logging.run_dir)
     cfg.logging.run_dir = str(run_dir)
+    if os.environ.get("RANK", "0") == "0":
+        print(first_run_notice(cfg), flush=True)
     from opid_mega.trainer import RolloutEngineDied, train
 
     try:

@@ -1,4 +1,4 @@
-"""Per-iteration metrics: RUN_DIR/metrics.jsonl, TensorBoard, and a tqdm progress bar.
+"""Per-iteration metrics: RUN_DIR/metrics.jsonl, TensorBoard, and a progress bar (one line per iteration in a log).
 
     timer = Timer()
     with MetricsLogger(run_dir, total=cfg.train.iterations, resume_step=start_step) as log:
@@ -175,10 +175,10 @@ class MetricsLogger:
                 self.tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), **kw)
 
         self.bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        if progress:  # a tqdm bar on a terminal, one line per iteration in a log file (opid_mega.progress)
+            from opid_mega.progress import progress as make_progress
 
-            self.bar = tqdm(total=total, initial=resume_step or 0, desc=desc, unit="it", dynamic_ncols=True)
+            self.bar = make_progress(total=total, initial=resume_step or 0, desc=desc, unit="it")
 
     # ---------------------------------------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> dict:

@@ -4,7 +4,9 @@ For every task of the config's training pool, the env's walkthrough (planner/exp
 becomes a step-sample with the same prompt the rollout builds (same template, history window, chat format) and the
 target response `<think>...</think>\n<action>A</action><|im_end|>`. The prompts are tokenized by the rollout's
 PromptTokenizer with the same `model.enable_thinking` chat-template switch. Settings: the config's `sft` section
-(epochs, lr, mini_batch_size, think), overridable by opid-sft's flags. The loss is the token-mean NLL of the response
+(epochs, lr, mini_batch_size, think, skill_share), overridable by opid-sft's flags. With `sft.skill_share > 0` that
+share of the prompts carries a skill section the rule analyzer wrote from the expert trajectory itself (routed
+critical-first, faithful or late placement), so the model learns that sections are informative. The loss is the token-mean NLL of the response
 tokens (a plain megatron loss_func in the same forward_step / schedule as PPO). The result is an HF directory usable
 as `model.init_from`; it is cached under `<model.cache_dir>/sft-<hash of its inputs>`, so a config with
 `model.init_from: sft` builds it once.
@@ -24,6 +26,7 @@ from typing import Optional
 import torch
 
 from opid_mega.config import Config
+from opid_mega.progress import progress
 
 SFT_VERSION = 2
 _MARKER = ".opid_sft_complete"
@@ -35,36 +38,86 @@ def end_of_turn_id(tokenizer) -> int:
     return int(im_end if im_end is not None else tokenizer.eos_token_id)
 
 
-def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, split: Optional[str] = None) -> list:
-    """[(prompt_ids, response_ids)] from playing the expert walkthrough of every task in the split's pool."""
-    from opid_mega.rollout.agent_loop import PromptTokenizer
+def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[str] = None) -> list[dict]:
+    """Play the expert walkthrough of every task in the split's pool. One dict per task: `task` (its id),
+    `prompts` (the rollout's prompt text of each step: same template and history window), `actions`, `responses`
+    (the target response text of each step) and `view` (the analyzer's TrajectoryView of the expert episode)."""
     from opid_mega.envs import format_response
+    from opid_mega.skills.types import StepView, TrajectoryView
     from opid_mega.trainer import env_factory
 
-    prompts = PromptTokenizer(tokenizer, enable_thinking=cfg.model.enable_thinking)
     think = cfg.sft.think if think is None else think
-    end = end_of_turn_id(tokenizer)
     env = env_factory(cfg)()
     pool = env.task_pool(split or cfg.env.train_split) if hasattr(env, "task_pool") else \
         env.tasks(split or cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed)
     out = []
     for task in pool:
         obs = env.reset(task)
+        raw = getattr(env, "raw_obs", "") or obs
         actions = env.walkthrough()
         if not actions:
             raise RuntimeError(f"opid-sft: env {cfg.env.name} has no walkthrough for task {task.id}")
-        hist = []
+        hist, ep = [], {"task": str(task.id), "prompts": [], "actions": [], "responses": []}
+        steps, won = [], False
         for action in actions:
             prompt = env.build_prompt(hist, obs, cfg.env.history_length)
-            ids, _, _ = prompts.encode(prompt)
-            resp = prompts.encode_text(format_response(action, think.format(action=action))) + [end]
-            out.append((ids, resp))
-            new_obs, _, done, _ = env.step(action)
+            response = format_response(action, think.format(action=action))
+            ep["prompts"].append(prompt)
+            ep["actions"].append(action)
+            ep["responses"].append(response)
+            new_obs, reward, done, info = env.step(action)
+            steps.append(StepView(raw, response, float(reward), action, True))
+            won = bool(info.get("won", won))
             hist.append((obs, action))
-            obs = new_obs
+            obs, raw = new_obs, info.get("raw_obs", new_obs)
             if done:
                 break
+        ep["view"] = TrajectoryView(task=env.task_description, won=won, steps=steps, traj_id=f"expert/{task.id}")
+        out.append(ep)
     env.close()
+    return out
+
+
+def expert_skill_routes(cfg: Config, episode: dict) -> list[dict]:
+    """One {kind: skill} per step of an expert episode: the RuleAnalyzer's analysis of that episode (K =
+    analyzer.max_step_skills), routed critical-first (algo.route_skills: the step skill at a critical step, else the
+    episode skill)."""
+    from opid_mega import algo
+    from opid_mega.skills import RuleAnalyzer
+
+    n = len(episode["prompts"])
+    analysis = RuleAnalyzer(max_step_skills=cfg.analyzer.max_step_skills).analyze_one(episode["view"])
+    if analysis is None:
+        return [{} for _ in range(n)]
+    return algo.route_skills(n, analysis.step_skills, analysis.episode_skill)
+
+
+def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, split: Optional[str] = None,
+                        skill_share: Optional[float] = None) -> list:
+    """[(prompt_ids, response_ids)] from playing the expert walkthrough of every task in the split's pool.
+
+    `skill_share` (default sft.skill_share): the share of step-samples whose prompt carries the skill section
+    `expert_skill_routes` gives that step, inserted with the faithful or the late placement (a seeded coin flip per
+    sample, so the warm start reads sections in both places); the target response is the expert's either way."""
+    import random
+
+    from opid_mega.rollout.agent_loop import PromptTokenizer
+    from opid_mega.skills.injection import PLACEMENTS, inject_skills
+
+    prompts = PromptTokenizer(tokenizer, enable_thinking=cfg.model.enable_thinking)
+    share = cfg.sft.skill_share if skill_share is None else float(skill_share)
+    if not 0 <= share <= 1:
+        raise ValueError(f"opid-sft: skill_share={share!r}, allowed: a number in [0, 1]")
+    rng = random.Random(cfg.train.seed * 1_000_003 + 17)
+    end = end_of_turn_id(tokenizer)
+    out = []
+    for ep in expert_episodes(cfg, think, split):
+        routes = expert_skill_routes(cfg, ep) if share > 0 else [{} for _ in ep["prompts"]]
+        for prompt, response, route in zip(ep["prompts"], ep["responses"], routes):
+            if share > 0 and rng.random() < share:
+                prompt = inject_skills(prompt, route, rng.choice(sorted(PLACEMENTS)))
+            ids, _, _ = prompts.encode(prompt)
+            out.append((ids, prompts.encode_text(response) + [end]))
     return out
 
 
@@ -92,6 +145,13 @@ def sft_step(policy, samples: list) -> float:
 
 
 def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
+    """The warm start's cache key. sft.skill_share enters it only when non-zero (with the analyzer's K, which decides
+    the sections), so warm starts built before that option keep their keys."""
+    opts = dict(opts)
+    if opts.get("skill_share"):
+        opts["skill_max_step_skills"] = cfg.analyzer.max_step_skills
+    else:
+        opts.pop("skill_share", None)
     cfg_file = Path(base_dir) / "config.json"
     spec = dict(version=SFT_VERSION, base=str(Path(base_dir).resolve()),
                 base_config=cfg_file.read_text() if cfg_file.exists() else "", env=cfg.env.name,
@@ -100,6 +160,16 @@ def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
                 enable_thinking=cfg.model.enable_thinking,
                 micro=cfg.train.micro_batch_tokens, **opts)
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def is_cached(cfg: Config, **overrides) -> bool:
+    """True when the warm start of this config is already built (run_sft would return at once)."""
+    from opid_mega.models import resolve_model_path
+
+    opts = {**dataclasses.asdict(cfg.sft), **{k: v for k, v in overrides.items() if v is not None}}
+    base = resolve_model_path(cfg.model.path, cfg.model.builtin, cfg.model.cache_dir)
+    out = Path(os.path.expanduser(cfg.model.cache_dir)) / f"sft-{sft_key(cfg, base, opts)}"
+    return (out / _MARKER).exists()
 
 
 def run_sft(cfg: Config, out_dir: Optional[str] = None, log=print, **overrides) -> str:
@@ -118,19 +188,25 @@ def run_sft(cfg: Config, out_dir: Optional[str] = None, log=print, **overrides) 
     scfg = copy.deepcopy(cfg)
     scfg.train.lr, scfg.train.weight_decay, scfg.train.grad_clip = float(opts["lr"]), 0.0, 1.0
     scfg.algo.kl_coef, scfg.algo.entropy_coef = 0.0, 0.0
-    data = walkthrough_samples(cfg, load_tokenizer(base), opts["think"])
+    data = walkthrough_samples(cfg, load_tokenizer(base), opts["think"], skill_share=opts.get("skill_share", 0.0))
     samples = [Sample(p + r, len(p)) for p, r in data]
     log(f"opid-sft: {len(samples)} expert step-samples, {sum(len(s.tokens) for s in samples)} tokens, "
-        f"{opts['epochs']} epochs, lr {opts['lr']}")
+        f"{opts['epochs']} epochs, lr {opts['lr']}, skill share {opts.get('skill_share', 0.0)}")
     policy = Policy(scfg, base)
     g = torch.Generator().manual_seed(cfg.train.seed)
     t0 = time.time()
-    for ep in range(int(opts["epochs"])):
+    epochs = int(opts["epochs"])
+    # one progress update per epoch (a bar with ETA on a terminal, one line per epoch in a log file), rank 0 only
+    bar = progress(total=epochs, desc="opid-sft epoch", unit="ep") if torch.distributed.get_rank() == 0 else None
+    for ep in range(epochs):
         order = torch.randperm(len(samples), generator=g).tolist()
         mb = int(opts["mini_batch_size"])
         losses = [sft_step(policy, [samples[i] for i in order[s:s + mb]]) for s in range(0, len(order), mb)]
-        if ep % 10 == 0 or ep == int(opts["epochs"]) - 1:
-            log(f"opid-sft: epoch {ep + 1} nll {sum(losses) / len(losses):.4f} ({time.time() - t0:.0f} s)")
+        if bar is not None:
+            bar.update(1, nll=f"{sum(losses) / len(losses):.4f}")
+    if bar is not None:
+        bar.close()
+        log(f"opid-sft: {epochs} epochs in {time.time() - t0:.0f} s, final nll {sum(losses) / len(losses):.4f}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     policy.save_hf(str(tmp))  # collective; rank 0 writes
     if torch.distributed.get_rank() == 0:

@@ -48,8 +48,9 @@ def _set_rng_state(st: dict) -> None:
         get_cuda_rng_tracker().set_states(st["tracker"])
 
 
-def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict] = None) -> str:
-    """Collective: save everything for ``step``; returns the step directory."""
+def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict] = None, keep: int = 0) -> str:
+    """Collective: save everything for ``step``; returns the step directory. ``keep`` > 0: afterwards only the
+    newest ``keep`` complete checkpoints stay on disk (older ``step_<N>`` directories are removed; 0 keeps all)."""
     path = os.path.join(ckpt_dir, f"step_{step}")
     rank = dist.get_rank()
     if rank == 0:
@@ -68,8 +69,38 @@ def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict]
         with open(os.path.join(ckpt_dir, "latest_step.tmp"), "w") as f:
             f.write(str(step))
         os.replace(os.path.join(ckpt_dir, "latest_step.tmp"), os.path.join(ckpt_dir, "latest_step"))
+        if keep > 0:
+            prune(ckpt_dir, keep)
     dist.barrier()
     return path
+
+
+def saved_steps(ckpt_dir: str) -> list[int]:
+    """Steps with a ``step_<N>`` directory in ``ckpt_dir``, ascending."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    steps = []
+    for name in os.listdir(ckpt_dir):
+        if name.startswith("step_") and name[5:].isdigit() and os.path.isdir(os.path.join(ckpt_dir, name)):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def prune(ckpt_dir: str, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` checkpoints up to the latest complete one (never the latest itself, never
+    a newer, possibly incomplete one). Returns the removed steps."""
+    import shutil
+
+    if keep < 1:
+        raise ValueError(f"prune: keep={keep} must be >= 1")
+    latest = latest_step(ckpt_dir)
+    if latest is None:
+        return []
+    done = [s for s in saved_steps(ckpt_dir) if s <= latest]
+    removed = done[:-keep]
+    for s in removed:
+        shutil.rmtree(os.path.join(ckpt_dir, f"step_{s}"), ignore_errors=True)
+    return removed
 
 
 def latest_step(ckpt_dir: str) -> Optional[int]:

@@ -27,9 +27,21 @@ def _metrics(run_dir):
 @pytest.mark.slow
 def test_main_job_end_to_end(tmp_path):
     run = tmp_path / "run"
-    r = _train(["--config", CONFIG, "--run-dir", str(run)] + TINY + [
-        "train.iterations=2", "eval.interval=1", "eval.num_tasks=2", "logging.tensorboard=true"])
+    # as a user runs it into a log file: default warning filters, progress on, stdout not a terminal
+    env = {k: v for k, v in ENV.items() if k not in ("PYTHONWARNINGS", "OPID_PROGRESS")}
+    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + TINY + [
+        "train.iterations=2", "eval.interval=1", "eval.num_tasks=2", "logging.tensorboard=true",
+        "logging.progress=true", "train.save_interval=1", "train.keep_checkpoints=1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    assert r.stdout.startswith("opid-train: "), r.stdout[:300]  # the first line says what is built / found
+    assert "\r" not in log, "a progress bar redraw reached a log file"
+    assert "Swig" not in log and "swig" not in log and "DeprecationWarning" not in log, log[-3000:]
+    assert [ln.split(" [")[0] for ln in r.stdout.splitlines() if ln.startswith("opid ")] == ["opid 0/2", "opid 1/2",
+                                                                                              "opid 2/2"]
+    # keep_checkpoints=1: only the newest checkpoint stays
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2"]
     recs = _metrics(run)
     assert [m["step"] for m in recs] == [0, 1, 2]
     for key in ("train/success_rate", "adv/outcome_abs_mean", "ppo/kl", "rollout/logprob_mismatch",
