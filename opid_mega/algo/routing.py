@@ -1,12 +1,22 @@
-"""Critical-first skill routing (OPID.md §4)."""
+"""Critical-first skill routing, gated by λ (OPID.md §4 and "Routing is gated by λ")."""
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 EPISODE = "episode"
 STEP = "step"
 SKILL_KINDS = (EPISODE, STEP)
 ROUTING_MODES = ("step_priority", "additive")
+
+
+def _text(skill: Optional[str]) -> str:
+    """The skill text, or "" for a missing / empty / whitespace-only skill (which is never routed)."""
+    if skill is None:
+        return ""
+    if not isinstance(skill, str):
+        raise TypeError(f"route_skills: a skill must be a string or None, got {type(skill).__name__}")
+    return skill if skill.strip() else ""
 
 
 def route_skills(
@@ -16,40 +26,49 @@ def route_skills(
     mode: str = "step_priority",
     use_episode: bool = True,
     use_step: bool = True,
+    lambda_episode: float = 1.0,
+    lambda_step: float = 1.0,
 ) -> list[dict[str, str]]:
     """Which skill text(s) to score each step of one trajectory with.
 
     Returns one dict per step, mapping skill kind (`"episode"` / `"step"`) to the skill text; an empty dict means
     the step gets no skill term (its outcome advantage stays).
 
-    - `step_priority` (default, critical-first): a step with a step skill is scored with that skill only; every
-      other step is scored with the episode skill.
-    - `additive` (the "w/o routing" ablation): critical steps get both skills, each scored as its own prompt.
-    - `use_episode=False` (w/o episode skill): only critical steps get a signal.
-    - `use_step=False` (w/o step skill): every step is scored with the episode skill.
+    A skill kind takes part only when it is switched on (`use_*`), its weight is positive (`lambda_* > 0`, as in the
+    reference) and its text is not empty/whitespace. Then:
+    - `step_priority` (default, critical-first): a step with a step skill gets that skill only; otherwise the
+      episode skill; otherwise nothing. So `lambda_step=0` (or `use_step=False`) sends critical steps back to the
+      episode skill, and `lambda_episode=0` (or `use_episode=False`) leaves non-critical steps without a signal.
+    - `additive` (the "w/o routing" ablation): critical steps get both skills (each gated as above), each scored
+      as its own prompt; the other steps get the episode skill.
     A trajectory whose analysis failed passes `episode_skill=None, step_skills=None` and gets no skill anywhere.
+    The λ defaults (1.0) route every non-empty skill, for callers that do not weigh the terms.
     """
     if mode not in ROUTING_MODES:
         raise ValueError(f"route_skills: mode={mode!r}, allowed: {', '.join(ROUTING_MODES)}")
     if num_steps < 0:
         raise ValueError(f"route_skills: num_steps={num_steps} must be >= 0")
+    for name, lam in (("lambda_episode", lambda_episode), ("lambda_step", lambda_step)):
+        if not (isinstance(lam, (int, float)) and not isinstance(lam, bool) and math.isfinite(lam) and lam >= 0):
+            raise ValueError(f"route_skills: {name}={lam!r} must be a finite number >= 0")
     step_skills = dict(step_skills or {})
     for t in step_skills:
-        if not isinstance(t, int) or not 0 <= t < num_steps:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < num_steps:
             raise ValueError(f"route_skills: step skill index {t!r} outside 0..{num_steps - 1}")
-    has_episode = use_episode and bool(episode_skill)
+    episode = _text(episode_skill) if (use_episode and lambda_episode > 0) else ""
+    steps = {t: _text(s) for t, s in step_skills.items()} if (use_step and lambda_step > 0) else {}
     routes: list[dict[str, str]] = []
     for t in range(num_steps):
-        step = step_skills.get(t) if use_step else None
+        step = steps.get(t, "")
         route: dict[str, str] = {}
         if mode == "step_priority":
             if step:
                 route[STEP] = step
-            elif has_episode:
-                route[EPISODE] = episode_skill  # type: ignore[assignment]
+            elif episode:
+                route[EPISODE] = episode
         else:  # additive
-            if has_episode:
-                route[EPISODE] = episode_skill  # type: ignore[assignment]
+            if episode:
+                route[EPISODE] = episode
             if step:
                 route[STEP] = step
         routes.append(route)

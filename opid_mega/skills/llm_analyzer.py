@@ -123,7 +123,7 @@ class _Call:
 class LLMAnalyzer(Analyzer):
     def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", concurrency: int = 16,
                  timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
-                 temperature: float = 0.0, max_tokens: int = 1024, json_mode: bool | str = True,
+                 temperature: float = 0.0, max_tokens: int = 4096, json_mode: bool | str = True,
                  max_step_skills: int = 5, gamma: float = 0.95, cache: bool = True,
                  cache_path: Optional[str | Path] = None, audit: Optional[AuditLog] = None,
                  connect_timeout_s: float = 10.0, seed: Optional[int] = None):
