@@ -5,8 +5,8 @@
     task = env.tasks("train", n=1, seed=0)[0]
     obs = env.reset(task)
     prompt = env.build_prompt(history=[], current_obs=obs, history_length=5)
-    action = env.parse_action(response)        # None -> invalid: env.step(env.noop_action), penalised
-    obs, reward, done, info = env.step(action)
+    action, valid = env.project_action(response)  # the reference's rules; valid=False: the step is penalised
+    obs, reward, done, info = env.step(env.noop_action if action is None else action)
 
 Backends: "textworld" (offline default), "alfworld" (real ALFWorld data, or locally generated ALFWorld PDDL games
 with `generated=True`), "search_qa" (BM25 over a local corpus; a country-facts corpus ships in opid_mega/data),
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from opid_mega.envs.base import Env, EnvError, Task
 from opid_mega.envs.prompts import (CLOSING_ANCHOR, PROMPT_BUILDERS, build_prompt, format_response,
-                                    get_prompt_builder, parse_action)
+                                    get_prompt_builder, parse_action, project_action)
 
 ENV_NAMES = ("textworld", "alfworld", "search_qa", "webshop")
 DEFAULT_ENV = "textworld"  # the offline default
@@ -63,5 +63,5 @@ def make_env(name: str, process: bool = False, **options) -> Env:
 
 __all__ = [
     "CLOSING_ANCHOR", "DEFAULT_ENV", "ENV_DEFAULTS", "ENV_NAMES", "Env", "EnvError", "PROMPT_BUILDERS", "Task", "build_prompt",
-    "format_response", "get_prompt_builder", "make_env", "parse_action",
+    "format_response", "get_prompt_builder", "make_env", "parse_action", "project_action",
 ]

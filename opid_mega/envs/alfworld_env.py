@@ -35,6 +35,7 @@ GEN_DEFAULT_POOL_SIZE = 64
 REAL_TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
                    "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
 
+NOTHING_HAPPENS = "Nothing happens."
 _WELCOME_RE = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
 _TASK_RE = re.compile(r"Your task is to:\s*(.*?)\s*$", re.DOTALL)
 
@@ -52,7 +53,7 @@ class AlfWorldEnv(TextWorldGameEnv):
     family = "action"
     default_max_steps = 30
     default_success_reward = 10.0
-    noop_action = "look"
+    noop_action = ""  # answered "Nothing happens." without a game call
 
     def __init__(self, source: str = "data", data_path: Optional[str] = None, task_types=None,
                  pool_size: Optional[int] = None, cache_dir: Optional[str] = None, max_steps: Optional[int] = None,
@@ -161,15 +162,19 @@ class AlfWorldEnv(TextWorldGameEnv):
         return _WELCOME_RE.sub("", raw).strip(), raw, _admissible(state), description
 
     def _step(self, action: str):
+        """As verl-agent: the lower-cased action goes to the game. Only admissible commands reach it: ALFWorld's
+        engine answers anything else "Nothing happens.", which is what this returns without a game call (no
+        string can upset the engine). The no-op (an empty command) gets the same answer — what the reference's
+        agent sees for an invalid step, whose response tail is sent to the game: nothing new is revealed (it used
+        to run `look`). info["invalid"] is set; state and admissible actions stay as they were."""
         cmd = " ".join(action.strip().lower().split())
-        invalid = cmd not in self._admissible
+        if cmd not in self._admissible:  # "" is never admissible
+            return NOTHING_HAPPENS, NOTHING_HAPPENS, list(self._admissible), False, True, {}
         with TEXTWORLD_LOCK:
             state, _score, done = self._tw_env.step(cmd)
         raw = state.feedback or ""
-        return raw.strip() or "Nothing happens.", raw, _admissible(state), bool(state.get("won")), invalid, {
+        return raw.strip() or NOTHING_HAPPENS, raw, _admissible(state), bool(state.get("won")), False, {
             "done": bool(done)}
-
-
 
 
 def _admissible(state) -> list[str]:

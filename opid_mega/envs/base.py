@@ -12,13 +12,26 @@ and "truncated" (the episode ended because it hit `max_steps`). The step reward 
 step that ends the episode: `success_reward` (10.0 for TextWorld/ALFWorld/WebShop, 1.0 for Search-QA) when won, else
 0.0 — so the return of a trajectory is in {0, success_reward}.
 
-A response that cannot be PARSED (no `<action>` tag, ...) is OPID's "invalid" step: the agent loop calls
-`env.step(env.noop_action)` (or uses `step_response`, which does that for it) and the trainer penalises the step.
+Invalid actions (OPID.md "Reference rules in detail"): `project_action(response)` applies the reference's rules and
+returns (action or None, valid). A response without an action (no tags) makes the agent loop step the env's
+`noop_action`; a response whose action was extracted but that breaks a format rule (think tags missing, Chinese
+characters, duplicate search/answer blocks) executes that action, as the reference does. Either way the trainer
+penalises the step. The no-op reveals nothing new and changes no state, with what each reference env shows for an
+invalid step: TextWorld/ALFWorld answer "Nothing happens." (ALFWorld's answer to the response tail the reference
+sends), WebShop keeps the page, Search-QA gives Search-R1's fixed "invalid action" feedback; none calls the
+simulator. The step counts toward `max_steps`.
+
+Garbage never raises: any string is a legal argument of `step` (empty, 10 kB, control characters, any Unicode).
+What reaches a simulator is sanitised by its backend (TextWorld/ALFWorld: only admissible commands reach the game,
+anything else is answered "Nothing happens." without a game call; WebShop: only well-formed search/click actions
+reach the server). Only a real simulator fault raises (EnvError and friends): the agent loop ends that trajectory as
+an env error. `step_with_timeout(env, action, timeout_s)` puts a time limit on a step (EnvTimeout past it).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from typing import Any, Optional
 
 from opid_mega.envs import prompts
@@ -26,6 +39,10 @@ from opid_mega.envs import prompts
 
 class EnvError(RuntimeError):
     """An environment could not be created, reached or played (missing data, dead server, bad task...)."""
+
+
+class EnvTimeout(EnvError):
+    """An env call did not return within its time limit (`step_with_timeout`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +77,7 @@ class Env:
     family: str = "action"  # prompt/parse family: "action" (<action>), "search" (<search>/<answer>)
     default_max_steps: int = 30
     default_success_reward: float = 10.0
-    noop_action: str = "look"
+    noop_action: str = ""  # what the agent loop steps for a response without an action: see the module docstring
 
     def __init__(self, max_steps: Optional[int] = None, success_reward: Optional[float] = None):
         self.max_steps = int(max_steps if max_steps is not None else self.default_max_steps)
@@ -144,17 +161,25 @@ class Env:
         return obs, reward, done, info
 
     def parse_action(self, response_text: str) -> Optional[str]:
-        """Extract the env action from a policy response (None when it cannot be parsed: OPID's invalid step)."""
+        """The action of a valid policy response (None when the response is invalid: OPID's penalised step)."""
         return prompts.parse_action(response_text, family=self.family)
 
+    def project_action(self, response_text: str) -> tuple[Optional[str], bool]:
+        """(action to execute or None, valid) by the reference's rules (`prompts.project_action`)."""
+        return prompts.project_action(response_text, family=self.family)
+
     def step_response(self, response_text: str) -> tuple[Optional[str], str, float, bool, dict[str, Any]]:
-        """Parse a full policy response and step: an unparsable response steps the no-op action and sets
-        info["format_invalid"] = True (the step the trainer penalises).
-        Returns (action or None, obs, reward, done, info)."""
-        action = self.parse_action(response_text)
+        """Project a full policy response and step: the extracted action, or the no-op when there is none;
+        info["format_invalid"] = True when the response breaks the reference's rules (the step the trainer
+        penalises). Returns (action or None, obs, reward, done, info)."""
+        action, valid = self.project_action(response_text)
         obs, reward, done, info = self.step(self.noop_action if action is None else action)
-        info["format_invalid"] = action is None
+        info["format_invalid"] = not valid
         return action, obs, reward, done, info
+
+    def _unchanged(self, extra: Optional[dict] = None) -> tuple[str, str, list[str], bool, bool, dict]:
+        """A `_step` result that changes nothing: the same observation and admissible actions, flagged invalid."""
+        return self._last_obs, self._last_raw, list(self._admissible), False, True, dict(extra or {})
 
     def build_prompt(self, history: list[tuple[str, str]], current_obs: str, history_length: int) -> str:
         """The step prompt for the current state (see `prompts.build_prompt`)."""
@@ -196,6 +221,42 @@ class Env:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def step_with_timeout(env, action: str, timeout_s: Optional[float]):
+    """`env.step(action)` under a time limit of `timeout_s` seconds (None: no limit); raises EnvTimeout past it.
+
+    An env that enforces the limit itself (`ProcessEnv.step_with_timeout`: it kills its worker process, so nothing
+    is left running) does so; any other env steps in a daemon thread that is abandoned past the limit (Python
+    cannot stop a thread: the env must then be discarded, not closed — its call may still be running).
+    """
+    if timeout_s is None:
+        return env.step(action)
+    own = getattr(env, "step_with_timeout", None)
+    if callable(own):
+        return own(action, timeout_s)
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = env.step(action)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name=f"opid-env-step-{getattr(env, 'name', 'env')}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise EnvTimeout(f"{getattr(env, 'name', 'env')}: step({_preview(action)}) did not return within "
+                         f"{timeout_s} s (env.step_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _preview(action, n: int = 60) -> str:
+    text = repr(action)
+    return text if len(text) <= n else text[:n] + f"... ({len(action)} chars)"
 
 
 def sample_pool(pool: list, n: int, seed: int) -> list:

@@ -1,4 +1,5 @@
-"""Step prompt templates (verl-agent style), action parsing and invalid-action detection.
+"""Step prompt templates (verl-agent style), action projection and invalid-action detection (the reference's rules:
+`project_action`).
 
 Contract with the skill layer (opid_mega.skills):
   * the FIRST LINE of every prompt is the task line (the episode skill is inserted right after it);
@@ -140,52 +141,80 @@ def build_prompt(family: str, task_description: str, history, current_obs: str, 
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
-_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
-_ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+# The reference's projection rules (verl-agent `alfworld_projection` / `webshop_projection` / `search_projection`,
+# OPID.md "Reference rules in detail" -> "Invalid actions").
+_CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
+_SEARCH_BLOCK_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL | re.IGNORECASE)
+_ANSWER_BLOCK_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_SEARCH_TAG_RE = re.compile(r"<search>", re.IGNORECASE)
+_ANSWER_TAG_RE = re.compile(r"<answer>", re.IGNORECASE)
 _SEARCH_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL | re.IGNORECASE)
+ACTION_FAMILIES = ("action", "alfworld", "textworld", "webshop")
+SEARCH_FAMILIES = ("search", "search_qa")
 
 
-def _strip_think(text: str) -> str:
-    return _THINK_RE.sub(" ", text)
+def project_action(response_text: Optional[str], family: str = "action") -> tuple[Optional[str], bool]:
+    """(action to execute or None, valid) for a policy response, by the reference's rules.
+
+    family "action" (ALFWorld, TextWorld, WebShop): the text between the FIRST `<action>` and the FIRST
+    `</action>` (tags matched case-insensitively), lower-cased, stripped (and whitespace-collapsed here, which the
+    games ignore anyway); None when either tag is missing. valid = both action tags found AND `<think>` and
+    `</think>` both present (case-sensitive, as the reference) AND no Chinese character (U+4E00..U+9FFF) anywhere in
+    the response. An extracted action is executed even when the response is invalid (the reference does the same;
+    the step is penalised); an empty `<action></action>` is valid, as in the reference (the env answers it with its
+    no-op).
+    family "search": the response is cut after the first `</search>` (else after the first `</answer>`); the first
+    `<search>q</search>` block of that, else the first `<answer>a</answer>` block, returned as
+    "<search>q</search>" / "<answer>a</answer>" (content stripped, whitespace-collapsed); None when there is none.
+    valid = a block was found AND the response does not hold both a `<search>` and an `<answer>` tag AND not more
+    than one of either.
+    Never raises on any string (None -> (None, False)).
+    """
+    if response_text is None:
+        return None, False
+    if not isinstance(response_text, str):
+        raise TypeError(f"parse_action expects a str, got {type(response_text).__name__}")
+    if family in ACTION_FAMILIES:
+        lower = response_text.lower()
+        start, end = lower.find("<action>"), lower.find("</action>")
+        if start == -1 or end == -1:
+            return None, False
+        action = _one_line(lower[start + len("<action>"):end])  # empty when </action> comes first, as the reference
+        valid = ("<think>" in response_text and "</think>" in response_text
+                 and not _CHINESE_RE.search(response_text))
+        return action, valid
+    if family in SEARCH_FAMILIES:
+        trimmed = response_text
+        if "</search>" in trimmed:
+            trimmed = trimmed.split("</search>", 1)[0] + "</search>"
+        elif "</answer>" in trimmed:
+            trimmed = trimmed.split("</answer>", 1)[0] + "</answer>"
+        m = _SEARCH_BLOCK_RE.search(trimmed)
+        if m:
+            action = f"<search>{_one_line(m.group(1))}</search>"
+        else:
+            m = _ANSWER_BLOCK_RE.search(trimmed)
+            if not m:
+                return None, False
+            action = f"<answer>{_one_line(m.group(1))}</answer>"
+        n_search = len(_SEARCH_TAG_RE.findall(response_text))
+        n_answer = len(_ANSWER_TAG_RE.findall(response_text))
+        valid = not (n_search and n_answer) and n_search <= 1 and n_answer <= 1
+        return action, valid
+    raise ValueError(f"unknown parse family {family!r}; expected 'action' or 'search'")
 
 
 def parse_action(response_text: Optional[str], family: str = "action") -> Optional[str]:
-    """The action in a policy response, or None when missing/malformed (OPID's invalid step).
-
-    family "action" (ALFWorld, TextWorld, WebShop): the last `<action>...</action>` outside `<think>...</think>`,
-    whitespace-collapsed; empty -> None. family "search": the last `<search>q</search>` or `<answer>a</answer>`,
-    returned normalised as "<search>q</search>" / "<answer>a</answer>"; empty content -> None.
-    """
-    if response_text is None:
-        return None
-    if not isinstance(response_text, str):
-        raise TypeError(f"parse_action expects a str, got {type(response_text).__name__}")
-    body = _strip_think(response_text)
-    if family in ("action", "alfworld", "textworld", "webshop"):
-        found = _ACTION_RE.findall(body)
-        if not found:
-            return None
-        action = _one_line(found[-1])
-        if not action or re.search(r"</?\w+>", action):
-            return None
-        return action
-    if family in ("search", "search_qa"):
-        found = _SEARCH_RE.findall(body)
-        if not found:
-            return None
-        tag, content = found[-1]
-        content = _one_line(content)
-        if not content or re.search(r"</?\w+>", content):
-            return None
-        return f"<{tag.lower()}>{content}</{tag.lower()}>"
-    raise ValueError(f"unknown parse family {family!r}; expected 'action' or 'search'")
+    """The action of a VALID response (see `project_action`), else None."""
+    action, valid = project_action(response_text, family)
+    return action if valid else None
 
 
 def format_response(action: str, think: str = "", family: str = "action") -> str:
     """A well-formed policy response for `action` (supervised warm start, tests): <think>..</think> + the action
     tag. For family "search", `action` is already "<search>..</search>" or "<answer>..</answer>"."""
     think_part = f"<think>{think.strip()}</think>\n"
-    if family in ("search", "search_qa"):
+    if family in SEARCH_FAMILIES:
         if not _SEARCH_RE.fullmatch(action.strip()):
             raise ValueError(f"search action must be <search>..</search> or <answer>..</answer>, got {action!r}")
         return think_part + action.strip()

@@ -176,7 +176,10 @@ class SearchQAEnv(Env):
         return self._question, self._question, [], self._question
 
     def _step(self, action: str):
-        parsed = prompts.parse_action(action, family="search")
+        """`action` is "<search>q</search>" / "<answer>a</answer>" (a whole response works too: its first block is
+        taken, as `prompts.project_action`); anything else, the no-op included, gets Search-R1's fixed
+        invalid-action feedback (nothing retrieved)."""
+        parsed, _ = prompts.project_action(action, family="search")
         if parsed is None:
             return INVALID_FEEDBACK, INVALID_FEEDBACK, [], False, True, {}
         m = re.fullmatch(r"<(search|answer)>(.*)</\1>", parsed, re.DOTALL)

@@ -74,12 +74,21 @@ def _quiet_jericho():
         yield
 
 
+def game_file(challenge: str, difficulty: str, game_seed: int, out_dir: str) -> str:
+    """The cached .z8 path of these parameters (it exists once generate_game has completed)."""
+    return os.path.join(out_dir, f"{challenge}-{difficulty}-{game_seed}.z8")
+
+
+def is_generated(path: str) -> bool:
+    return os.path.isfile(path) and os.path.isfile(path[:-3] + ".json")
+
+
 def generate_game(challenge: str, difficulty: str, game_seed: int, split: str, out_dir: str) -> str:
     """Generate (or reuse) the game file for these parameters; returns the .z8 path. Safe across threads and
     processes sharing `out_dir` (lock + write to a temp dir + atomic rename)."""
-    path = os.path.join(out_dir, f"{challenge}-{difficulty}-{game_seed}.z8")
+    path = game_file(challenge, difficulty, game_seed, out_dir)
     json_path = path[:-3] + ".json"
-    if os.path.isfile(path) and os.path.isfile(json_path):
+    if is_generated(path):
         return path
     with path_lock(path):
         if os.path.isfile(path) and os.path.isfile(json_path):
@@ -109,6 +118,7 @@ def generate_game(challenge: str, difficulty: str, game_seed: int, split: str, o
     return path
 
 
+NOTHING_HAPPENS = "Nothing happens."
 _BANNER_LINE = re.compile(r"^[\s_$\\|/<>]*$")
 _END_RE = re.compile(r"\*\*\* The End \*\*\*.*$", re.DOTALL)
 
@@ -132,7 +142,7 @@ class TextWorldEnv(TextWorldGameEnv):
     family = "action"
     default_max_steps = 30
     default_success_reward = 10.0
-    noop_action = "look"
+    noop_action = ""  # answered "Nothing happens." without a game call
 
     def __init__(self, challenges=("coin_collector", "treasure_hunter", "simple", "cooking"),
                  difficulties=("easy",), pool_size: Optional[dict] = None, cache_dir: Optional[str] = None,
@@ -185,6 +195,11 @@ class TextWorldEnv(TextWorldGameEnv):
         """Generate (or find in the cache) the game file of every task; returns their paths."""
         return [self.game_path(t) for t in tasks]
 
+    def unprepared(self, tasks: list[Task]) -> int:
+        """How many of `tasks` have no generated game in the cache yet (each takes seconds to generate)."""
+        return sum(not is_generated(game_file(t.data["challenge"], t.data["difficulty"], int(t.data["game_seed"]),
+                                              self.cache_dir)) for t in tasks)
+
     # ---- episode ------------------------------------------------------------------------------------------------
     def _start(self, path: str):
         import textworld
@@ -214,17 +229,22 @@ class TextWorldEnv(TextWorldGameEnv):
             (state.objective or "").split())
 
     def _step(self, action: str):
+        """Only an admissible command reaches the game (jericho hangs on control characters and raises on a
+        multi-byte character cut at 198 bytes). Anything else, the no-op (an empty command) included, is answered
+        "Nothing happens." without a game call (what ALFWorld's engine answers, and what the reference's agent sees
+        for an invalid step): nothing new is revealed, the game state and the admissible actions stay as they
+        were, info["invalid"] is set."""
         cmd = normalize_command(action)
-        admissible = {normalize_command(a) for a in self._admissible}
-        invalid = cmd not in admissible
+        if cmd not in {normalize_command(a) for a in self._admissible}:  # "" is never admissible
+            extra = {"score": self._score, "max_score": self._max_score}
+            return NOTHING_HAPPENS, NOTHING_HAPPENS, list(self._admissible), False, True, extra
         with TEXTWORLD_LOCK:
             state, score, done = self._tw_env.step(cmd)
+        self._score = score
         raw = state.feedback or ""
-        obs = clean_observation(raw) or "Nothing happens."
+        obs = clean_observation(raw) or NOTHING_HAPPENS
         extra = {"score": score, "max_score": self._max_score, "done": bool(done or state.lost)}
-        return obs, raw, list(state.admissible_commands or []), bool(state.won), invalid, extra
-
-
+        return obs, raw, list(state.admissible_commands or []), bool(state.won), False, extra
 
 
 def _cache_dir_for(override: Optional[str]) -> str:

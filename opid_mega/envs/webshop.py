@@ -10,9 +10,12 @@ observation mode), started with e.g. `webshop --host 0.0.0.0 --port 36001`:
     GET  /instruction_text?env_idx=     -> "Instruction: ..."
     GET  /observation?env_idx=          -> observation text
     POST /close  {env_idx}              -> {closed}
-Actions are verl-agent style: `search[query]` and `click[button]`. WebShop's own reward is a score in [0, 1];
-the episode is won when it is 1.0 (as in verl-agent) and the step reward is then `success_reward` (10.0); the raw
-score is in info["task_score"]. Sessions (goal indices): test 0-499, train 500-1499 by default (`session_ranges`).
+Actions are verl-agent style: `search[query]` and `click[button]`, taken from `<action>...</action>` by the
+reference's rules (lower-cased; invalid without the think tags or with Chinese characters: prompts.project_action).
+Only well-formed actions reach the server (`_sendable`); the no-op and anything else keep the page as it is.
+WebShop's own reward is a score in [0, 1]; the episode is won when it is 1.0 (as in verl-agent) and the step reward
+is then `success_reward` (10.0); the raw score is in info["task_score"]. Sessions (goal indices): test 0-499, train
+500-1499 by default (`session_ranges`).
 One client instance = one server-side env; instances are independent and can be stepped from threads.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from opid_mega.envs.base import Env, EnvError, Task, sample_pool
 DEFAULT_URL = "http://127.0.0.1:36001"
 DEFAULT_SESSION_RANGES = {"train": (500, 1500), "valid": (1500, 2000), "test": (0, 500)}
 _ACTION_RE = re.compile(r"^(search|click)\[(.*)\]$", re.DOTALL | re.IGNORECASE)
+MAX_QUERY_CHARS = 500
 
 
 class WebShopEnv(Env):
@@ -119,16 +123,27 @@ class WebShopEnv(Env):
             return self._has_search_bar and bool(arg) and arg != "<your query>"
         return arg.lower() in {c.lower() for c in self._clickables}
 
+    def _sendable(self, action: str) -> bool:
+        """What may reach the server: `search[q]` with a non-empty printable query of at most MAX_QUERY_CHARS
+        characters, or `click[c]` with c on the page. WebShop's own step ignores every other action (reward 0,
+        page unchanged), so not sending them changes nothing but keeps garbage away from the server."""
+        m = _ACTION_RE.match(action)
+        if not m:
+            return False
+        kind, arg = m.group(1).lower(), m.group(2).strip()
+        if kind == "search":
+            return bool(arg) and len(arg) <= MAX_QUERY_CHARS and arg.isprintable()
+        return arg.lower() in {c.lower() for c in self._clickables}
+
     def _step(self, action: str):
         action = action.strip()
-        if not action:  # the no-op: nothing is sent
-            raw = str(self._call("GET", "/observation", params={"env_idx": self._env_idx}))
-            return self._format_obs(raw), raw, list(self._admissible), False, True, {}
+        if not action or not self._sendable(action):  # the no-op / an action WebShop would ignore: nothing is sent
+            return self._unchanged()
         invalid = not self._is_admissible(action)
         m = _ACTION_RE.match(action)
-        if m and m.group(1).lower() == "click":  # WebShop's clickables are lower-case
+        if m.group(1).lower() == "click":  # WebShop's clickables are lower-case
             action = f"click[{m.group(2).strip().lower()}]"
-        elif m:
+        else:
             action = f"search[{m.group(2).strip()}]"
         res = self._call("POST", "/step", json={"env_idx": self._env_idx, "action": action})
         raw = str(res.get("state", ""))

@@ -1,4 +1,9 @@
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _env_fuzz
 
 
 @pytest.fixture(scope="session")

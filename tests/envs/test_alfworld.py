@@ -40,15 +40,85 @@ def test_planner_walkthrough_wins(env, task_type):
 
 
 def test_invalid_action_noop_and_max_steps(alfworld_cache):
-    e = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8, max_steps=3)
+    e = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8, max_steps=4)
     e.reset(e.tasks("train", 1, seed=0)[0])
-    obs, reward, done, info = e.step("fly to the moon")
+    admissible = e.admissible_actions
+    # No action tag: the no-op. It reveals nothing new: "Nothing happens.", as the reference's agent sees for it
+    # (`look` used to run here, which describes the room again).
+    action, obs, reward, done, info = e.step_response("I will look around")
+    assert action is None and info["format_invalid"] and info["invalid"] and not done and reward == 0.0
+    assert obs == "Nothing happens." and e.admissible_actions == admissible and info["step"] == 1
+    obs, reward, done, info = e.step("fly to the moon")  # not admissible: ALFWorld's own answer, no game call
     assert info["invalid"] and obs == "Nothing happens." and not done and reward == 0.0
-    action, obs, reward, done, info = e.step_response("I will look around")  # unparsable -> no-op "look"
-    assert action is None and info["format_invalid"] and not info["invalid"] and not done
-    obs, reward, done, info = e.step("inventory")
+    assert e.admissible_actions == admissible
+    # An action without think tags is executed (as the reference does) and flagged invalid (penalised).
+    action, obs, reward, done, info = e.step_response("<action>Inventory</action>")
+    assert action == "inventory" and info["format_invalid"] and not info["invalid"] and "carrying" in obs
+    obs, reward, done, info = e.step(e.noop_action)  # the no-op counts toward max_steps
     assert done and info["truncated"] and not info["won"] and reward == 0.0
     e.close()
+
+
+def test_garbage_between_walkthrough_steps_changes_nothing(env):
+    """Garbage never reaches the game and never changes its state: the walkthrough still wins around it."""
+    from _env_fuzz import NASTY
+
+    task = env.task_pool("train")[1]
+    env.max_steps = 10_000
+    try:
+        env.reset(task)
+        sent = []
+        real_step = env._tw_env.step
+        env._tw_env.step = lambda cmd: (sent.append(cmd), real_step(cmd))[1]
+        plan = env.walkthrough()
+        for action in plan:
+            admissible = env.admissible_actions
+            for junk in NASTY[:14]:
+                new_obs, reward, done, info = env.step(junk)
+                assert info["invalid"] and not done and reward == 0.0
+                assert new_obs == "Nothing happens." and env.admissible_actions == admissible
+            _, reward, done, info = env.step(action)
+        assert done and info["won"] and reward == 10.0
+        assert sent == plan  # only the admissible commands reached the game
+    finally:
+        env.max_steps = 30
+
+
+def test_fuzz_any_string_is_an_action(env):
+    """Hypothesis-generated and known-nasty strings: never raise, never hang, never reach the game unless
+    admissible."""
+    from _env_fuzz import FUZZ, RESPONSES, play_garbage
+    from hypothesis import given
+
+    task = env.task_pool("train")[2]
+    env.max_steps = 100_000
+    last: dict = {}
+    sent = []
+
+    def spy(real):
+        def step(cmd):
+            sent.append((cmd, list(env.admissible_actions)))
+            return real(cmd)
+        return step
+
+    @FUZZ
+    @given(RESPONSES)
+    def check(text):
+        if "obs" not in last:
+            last["obs"] = env.reset(task)
+        if not getattr(env._tw_env.step, "_spy", False):  # (re)install after a reset that reloaded the game
+            env._tw_env.step = spy(env._tw_env.step)
+            env._tw_env.step._spy = True
+        for before, admissible, action, obs, reward, done, info in play_garbage(env, task, text, last):
+            if " ".join(action.lower().split()) not in admissible:
+                assert info["invalid"] and reward == 0.0 and not done and obs == "Nothing happens."
+                assert info["admissible_actions"] == admissible
+
+    try:
+        check()
+    finally:
+        env.max_steps = 30
+    assert all(cmd in admissible for cmd, admissible in sent)
 
 
 def test_generation_reproducible_and_splits_disjoint(env):

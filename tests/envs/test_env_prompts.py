@@ -5,6 +5,7 @@ import pytest
 
 from opid_mega.envs import (CLOSING_ANCHOR, PROMPT_BUILDERS, Task, build_prompt, format_response, make_env,
                             parse_action)
+from opid_mega.envs.prompts import project_action
 from opid_mega.envs.base import EnvError, sample_pool
 
 FAMILIES = ["alfworld", "textworld", "webshop", "search"]
@@ -14,41 +15,69 @@ def _history(n):
     return [(f"observation number {i}", f"action number {i}") for i in range(n)]
 
 
-# ---- parse_action ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,expected", [
-    ("<think>go to the fridge</think><action>go to fridge 1</action>", "go to fridge 1"),
-    ("<action>  go   to\n fridge 1 </action>", "go to fridge 1"),
-    ("<action>look</action> blah <action>open fridge 1</action>", "open fridge 1"),  # last tag wins
-    ("<ACTION>inventory</ACTION>", "inventory"),
-    ("<think>maybe <action>look</action>?</think><action>go east</action>", "go east"),  # not inside think
-    ("<think>only thinking <action>look</action></think>", None),
-    ("go to fridge 1", None),  # missing tags
-    ("<action>go to fridge 1", None),  # unclosed
-    ("<action>   </action>", None),  # empty
-    ("<action><action>look</action></action>", None),  # nested / malformed
-    ("", None),
-    (None, None),
+# ---- the reference's invalid-action rules (OPID.md "Reference rules in detail" -> "Invalid actions") --------------
+# ALFWorld / TextWorld / WebShop (verl-agent alfworld_projection, webshop_projection): the text between the first
+# "<action>" and the first "</action>" of the lower-cased response, stripped; valid only when both action tags, both
+# think tags ("<think>", "</think>", as written) are present and no character in U+4E00..U+9FFF appears.
+@pytest.mark.parametrize("text,action,valid", [
+    ("<think>go to the fridge</think><action>go to fridge 1</action>", "go to fridge 1", True),
+    ("<think>t</think><action>Go To Fridge 1</action>", "go to fridge 1", True),  # lower-cased
+    ("<think>t</think><action>  go   to\n fridge 1 </action>", "go to fridge 1", True),  # stripped (collapsed)
+    ("<think>t</think><action>look</action> blah <action>open fridge 1</action>", "look", True),  # first tag
+    ("<think>maybe <action>look</action>?</think><action>go east</action>", "look", True),  # think not skipped
+    ("<think>t</think><ACTION>inventory</ACTION>", "inventory", True),  # action tags in any case
+    ("<action>inventory</action><think>after</think>", "inventory", True),  # think anywhere
+    ("<action>go to fridge 1</action>", "go to fridge 1", False),  # no think tags: executed, penalised
+    ("<think>t<action>look</action>", "look", False),  # "</think>" missing
+    ("<THINK>t</THINK><action>look</action>", "look", False),  # think tags are matched as written
+    ("<think>t</think><action>look</action>我", "look", False),  # a Chinese character anywhere
+    ("<think>\u4e00</think><action>look</action>", "look", False),  # U+4E00, the first of the range
+    ("<think>\u9fff</think><action>look</action>", "look", False),  # U+9FFF, the last of the range
+    ("<think>テスト</think><action>look</action>", "look", True),  # katakana is not in the range
+    ("<think>t</think><action></action>", "", True),  # empty action: valid, as in the reference
+    ("<think>t</think></action> x <action>", "", True),  # "</action>" before "<action>": empty slice
+    ("<think>only thinking</think>", None, False),  # no action tags: nothing to execute
+    ("<think>t</think><action>go to fridge 1", None, False),  # unclosed
+    ("go to fridge 1", None, False),
+    ("", None, False),
+    (None, None, False),
 ])
-def test_parse_action_cases(text, expected):
-    assert parse_action(text) == expected
+@pytest.mark.parametrize("family", ["action", "alfworld", "textworld", "webshop"])
+def test_project_action_reference_rules(family, text, action, valid):
+    assert project_action(text, family=family) == (action, valid)
+    assert parse_action(text, family=family) == (action if valid else None)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<think>need facts</think><search> capital of France </search>", "<search>capital of France</search>"),
-    ("<think>known</think>\n<answer>Paris</answer>", "<answer>Paris</answer>"),
-    ("<search>a</search> then <answer> Paris  France </answer>", "<answer>Paris France</answer>"),
-    ("<answer></answer>", None),
-    ("<search>unclosed", None),
-    ("<action>look</action>", None),
-    ("Paris", None),
+# Search (verl-agent search_projection): cut after the first "</search>" (else the first "</answer>"); the first
+# <search> block of that, else the first <answer> block; invalid when no block, when both a "<search>" and an
+# "<answer>" tag appear, or when either appears more than once. No think or Chinese rule.
+@pytest.mark.parametrize("text,action,valid", [
+    ("<think>need facts</think><search> capital of France </search>", "<search>capital of France</search>", True),
+    ("<think>known</think>\n<answer>Paris</answer>", "<answer>Paris</answer>", True),
+    ("<answer>Paris</answer>", "<answer>Paris</answer>", True),  # no think tags needed
+    ("<answer>北京</answer>", "<answer>北京</answer>", True),  # no Chinese rule
+    ("<SEARCH>q</SEARCH>", "<search>q</search>", True),  # blocks in any case
+    ("<search>a</search> then <answer> Paris  France </answer>", "<search>a</search>", False),  # both kinds
+    ("<answer>Paris</answer><search>q</search>", "<search>q</search>", False),  # search block first, both kinds
+    ("<search>a</search><search>b</search>", "<search>a</search>", False),  # duplicate
+    ("<answer>a</answer><answer>b</answer>", "<answer>a</answer>", False),  # duplicate
+    ("<search>a</search><search>", "<search>a</search>", False),  # a second open tag counts
+    ("<answer></answer>", "<answer></answer>", True),  # empty block: valid, as in the reference
+    ("<search>unclosed", None, False),
+    ("<action>look</action>", None, False),
+    ("Paris", None, False),
+    ("", None, False),
 ])
-def test_parse_search_cases(text, expected):
-    assert parse_action(text, family="search") == expected
+def test_project_search_reference_rules(text, action, valid):
+    assert project_action(text, family="search") == (action, valid)
+    assert parse_action(text, family="search") == (action if valid else None)
 
 
 def test_parse_errors():
     with pytest.raises(TypeError):
         parse_action(123)
+    with pytest.raises(TypeError):
+        project_action(b"<action>look</action>")
     with pytest.raises(ValueError, match="unknown parse family"):
         parse_action("<action>x</action>", family="nope")
 

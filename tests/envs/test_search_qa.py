@@ -134,3 +134,48 @@ def test_shipped_data_is_reproducible(tmp_path):
         with open(os.path.join(DATA_DIR, name), "rb") as a, open(path, "rb") as b:
             assert a.read() == b.read(), f"{name} differs from the builder's output: rerun {sys.executable} -m " \
                                          "opid_mega.envs.search_qa_data"
+
+
+def test_invalid_block_is_executed_and_flagged(env):
+    """As the reference: a response with duplicate or mixed blocks is invalid (penalised), and its first block is
+    still what the env executes; a response without a block gets the fixed invalid-action feedback."""
+    task = env.tasks("train", 1, seed=3)[0]
+    env.reset(task)
+    action, obs, reward, done, info = env.step_response(
+        "<search>capital of France</search><search>capital of Spain</search>")
+    assert action == "<search>capital of France</search>" and info["format_invalid"] and not info["invalid"]
+    assert obs.startswith("<information>") and not done
+    action, obs, reward, done, info = env.step_response("<think>no tags</think> Paris")
+    assert action is None and info["format_invalid"] and info["invalid"] and obs == INVALID_FEEDBACK
+    action, obs, reward, done, info = env.step_response("<answer>x</answer><search>y</search>")
+    assert action == "<search>y</search>" and info["format_invalid"] and obs.startswith("<information>")
+    action, obs, reward, done, info = env.step_response(f"<answer>{task.data['answers'][0]}</answer>")
+    assert not info["format_invalid"] and done and info["won"] and reward == 1.0
+
+
+def test_fuzz_any_string_is_an_action():
+    """Hypothesis-generated and known-nasty strings: never raise or hang; an answer ends the episode, anything
+    without a block gets the invalid feedback."""
+    from _env_fuzz import FUZZ, NASTY_ALL, RESPONSES, play_garbage
+    from hypothesis import given
+
+    e = make_env("search_qa", max_steps=100_000)
+    task = e.tasks("train", 1, seed=0)[0]
+    last: dict = {}
+
+    @FUZZ
+    @given(RESPONSES)
+    def check(text):
+        for before, admissible, action, obs, reward, done, info in play_garbage(e, task, text, last):
+            parsed, _ = e.project_action(action)
+            if parsed is None:
+                assert obs == INVALID_FEEDBACK and info["invalid"] and not done and reward == 0.0
+            elif parsed.startswith("<answer>"):
+                assert done and obs.startswith("Your answer: ")
+            else:
+                assert obs.startswith("<information>") and not done
+
+    check()
+    for text in NASTY_ALL:
+        play_garbage(e, task, text, last)
+    e.close()

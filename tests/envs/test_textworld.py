@@ -77,17 +77,70 @@ def test_cache_files_and_reuse(env, textworld_cache):
     assert _env(textworld_cache).game_path(task) == path and os.path.getmtime(path) == mtime  # not regenerated
 
 
-@pytest.mark.slow
-def test_invalid_noop_and_truncation(textworld_cache):
-    e = _env(textworld_cache, max_steps=3)
-    e.reset(e.task_pool("train")[0])
-    obs, reward, done, info = e.step("dance wildly")
-    assert info["invalid"] and not done and reward == 0.0 and obs
-    action, obs, reward, done, info = e.step_response("<think>hmm</think> no action tag")
-    assert action is None and info["format_invalid"] and not info["invalid"]  # the no-op "look" is admissible
-    obs, reward, done, info = e.step("inventory")
-    assert done and info["truncated"] and not info["won"]
+@pytest.fixture(scope="module")
+def coin_env(textworld_cache):
+    """One coin_collector game (the quickest to generate), for the quick garbage tests."""
+    e = _env(textworld_cache, challenges=["coin_collector"], pool_size={"train": 1}, max_steps=100_000)
+    yield e
     e.close()
+
+
+def test_invalid_noop_and_truncation(coin_env):
+    e = coin_env
+    e.max_steps = 3
+    try:
+        e.reset(e.task_pool("train")[0])
+        admissible = e.admissible_actions
+        # No action tag: the no-op reveals nothing (it used to run `look`, which describes the room again).
+        action, obs, reward, done, info = e.step_response("<think>hmm</think> no action tag")
+        assert action is None and info["format_invalid"] and info["invalid"] and not done
+        assert obs == "Nothing happens." and e.admissible_actions == admissible and info["step"] == 1
+        obs, reward, done, info = e.step("dance wildly")  # not admissible: never sent to the game
+        assert info["invalid"] and not done and reward == 0.0 and obs == "Nothing happens."
+        obs, reward, done, info = e.step("inventory")
+        assert done and info["truncated"] and not info["won"]
+    finally:
+        e.max_steps = 100_000
+
+
+def test_garbage_never_reaches_jericho(coin_env):
+    """jericho hangs on "\x00\x01\x02" and raises on a multi-byte character cut at 198 bytes (MACHINE_NOTES.md):
+    only admissible commands reach the game, garbage leaves its state alone, and the walkthrough still wins."""
+    from _env_fuzz import NASTY
+
+    e = coin_env
+    e.reset(e.task_pool("train")[0])
+    sent = []
+    real_step = e._tw_env.step
+    e._tw_env.step = lambda cmd: (sent.append(cmd), real_step(cmd))[1]
+    plan = e.walkthrough()
+    for action in plan:
+        admissible = e.admissible_actions
+        for junk in NASTY:
+            new_obs, reward, done, info = e.step(junk)
+            assert info["invalid"] and not done and reward == 0.0
+            assert new_obs == "Nothing happens." and e.admissible_actions == admissible
+        _, reward, done, info = e.step(action)
+    assert done and info["won"] and reward == 10.0
+    assert sent == plan
+
+
+def test_fuzz_any_string_is_an_action(coin_env):
+    from _env_fuzz import FUZZ, RESPONSES, play_garbage
+    from hypothesis import given
+
+    task = coin_env.task_pool("train")[0]
+    last: dict = {}
+
+    @FUZZ
+    @given(RESPONSES)
+    def check(text):
+        for before, admissible, action, obs, reward, done, info in play_garbage(coin_env, task, text, last):
+            if " ".join(action.lower().split()) not in admissible:
+                assert info["invalid"] and reward == 0.0 and not done and obs == "Nothing happens."
+                assert info["admissible_actions"] == admissible
+
+    check()
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ class _Shop:
 
 class _Handler(BaseHTTPRequestHandler):
     shops: dict = {}
+    received: list = []  # every action POSTed to /step
 
     def log_message(self, *args):
         pass
@@ -96,6 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.shops[body["env_idx"]] = _Shop()
             return self._send([self.shops[body["env_idx"]].observation(), None])
         if self.path == "/step":
+            self.received.append(body["action"])
             state, reward, done = self.shops[body["env_idx"]].step(body["action"])
             return self._send({"state": state, "reward": reward, "done": done, "info": None})
         if self.path == "/close":
@@ -169,3 +171,53 @@ def test_server_error_is_clear(server_url):
     env = make_env("webshop", url=server_url, session_ranges={"train": (20_000, 20_001)})
     with pytest.raises(EnvError, match="HTTP 500"):
         env.reset(env.tasks("train", 1, seed=0)[0])
+
+
+def test_invalid_rules_and_noop(server_url):
+    """verl-agent's webshop_projection: the lower-cased <action> content; invalid without think tags or with
+    Chinese characters (executed all the same); no action tag: the no-op, which keeps the page and sends nothing."""
+    env = make_env("webshop", url=server_url)
+    first = env.reset(env.tasks("train", 1, seed=0)[0])
+    _Handler.received.clear()
+    action, obs, reward, done, info = env.step_response("<think>browse</think> search for a shirt")
+    assert action is None and info["format_invalid"] and info["invalid"] and obs == first
+    assert _Handler.received == [] and info["step"] == 1
+    action, obs, reward, done, info = env.step_response("<action>search[Red Shirt]</action>")  # no think tags
+    assert action == "search[red shirt]" and info["format_invalid"] and not info["invalid"] and "B0RED" in obs
+    action, obs, reward, done, info = env.step_response("<think>红色</think><action>click[B0RED]</action>")
+    assert action == "click[b0red]" and info["format_invalid"] and "Buy Now" in obs
+    action, obs, reward, done, info = env.step_response("<think>ok</think><action>click[large]</action>")
+    assert action == "click[large]" and not info["format_invalid"] and not info["invalid"]
+    assert _Handler.received == ["search[red shirt]", "click[b0red]", "click[large]"]
+    env.close()
+
+
+def test_fuzz_any_string_is_an_action(server_url):
+    """Hypothesis-generated and known-nasty strings never raise or hang, and only well-formed actions (a printable
+    search query of bounded length, a click on the page) reach the server."""
+    from _env_fuzz import FUZZ, NASTY_ALL, RESPONSES, play_garbage
+    from hypothesis import given
+
+    from opid_mega.envs.webshop import MAX_QUERY_CHARS
+
+    env = make_env("webshop", url=server_url, max_steps=100_000)
+    task = env.tasks("train", 1, seed=0)[0]
+    last: dict = {}
+    _Handler.received.clear()
+
+    @FUZZ
+    @given(RESPONSES)
+    def check(text):
+        for before, admissible, action, obs, reward, done, info in play_garbage(env, task, text, last):
+            a = action.strip()
+            if not (a.lower().startswith(("search[", "click[")) and a.endswith("]")):
+                assert info["invalid"] and obs == before and not done
+
+    check()
+    for text in NASTY_ALL:
+        play_garbage(env, task, text, last)
+    assert _Handler.received  # hypothesis found well-formed searches too
+    for sent in _Handler.received:
+        kind, arg = sent[:-1].split("[", 1)
+        assert kind in ("search", "click") and arg and arg.isprintable() and len(arg) <= MAX_QUERY_CHARS
+    env.close()
