@@ -1,9 +1,12 @@
 """Fused hidden-state -> token log-prob (and entropy), vocabulary-parallel, forward + backward.
 
-    logprob[i] = log softmax(hidden[i] @ W_full^T)[targets[i]]
+    logprob[i] = log softmax(hidden[i] @ W_full^T / T)[targets[i]]
     entropy[i] = -sum_v p[i, v] log p[i, v]
 
-without materialising the `[N, V]` logits. The weight on this rank is a vocabulary shard
+without materialising the `[N, V]` logits. T is the sampling temperature (`temperature`, default 1: the division
+is skipped, so T = 1 is bit-identical to the plain softmax): log-probs are those of the distribution the sampler
+drew from (OPID.md "Reference rules in detail": logits / T), and the backward carries the 1/T factor.
+The weight on this rank is a vocabulary shard
 `W_full[vocab_start : vocab_start + V_local]`; `targets` holds GLOBAL vocabulary ids.
 
 Each rank reduces its shard to per-row partials, all relative to the local running max `m`:
@@ -40,9 +43,11 @@ DEFAULT_CHUNK = 4096
 # naive float64 reference (tests only: materialises [N, V])
 # ----------------------------------------------------------------------------------------------------------------
 def logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
-                       return_entropy: bool = False):
+                       return_entropy: bool = False, temperature: float = 1.0):
     """Full-logits float64 reference on ONE (unsharded or shard-only) weight. Targets must lie in the shard."""
     logits = hidden.double() @ weight.double().t()
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, (targets.long() - vocab_start).unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
@@ -55,8 +60,8 @@ def logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 # torch path
 # ----------------------------------------------------------------------------------------------------------------
 def _local_partials_torch(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor,
-                          with_entropy: bool, chunk: int):
-    """Per-row partials over this shard: (m, s, u, t, found), all float32 [N]."""
+                          with_entropy: bool, chunk: int, temperature: float = 1.0):
+    """Per-row partials over this shard of the logits / temperature: (m, s, u, t, found), all float32 [N]."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     h32 = hidden.float()
@@ -69,6 +74,8 @@ def _local_partials_torch(hidden: torch.Tensor, weight: torch.Tensor, targets_lo
     for start in range(0, v, chunk):
         end = min(start + chunk, v)
         logits = h32 @ weight[start:end].float().t()  # [N, C] float32
+        if temperature != 1.0:
+            logits.div_(temperature)
         sel = found & (targets_local >= start) & (targets_local < end)
         idx = (targets_local - start).clamp(0, end - start - 1)
         t = torch.where(sel, logits[rows, idx], t)
@@ -134,7 +141,8 @@ def _grad_logits_chunk(logits: torch.Tensor, start: int, targets_local: torch.Te
     return grad
 
 
-def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, chunk, need_h, need_w):
+def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, chunk, need_h, need_w,
+                    temperature: float = 1.0):
     n, v = hidden.shape[0], weight.shape[0]
     h32 = hidden.float()
     grad_h = torch.zeros(n, hidden.shape[1], device=hidden.device) if need_h else None
@@ -143,7 +151,11 @@ def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, 
         end = min(start + chunk, v)
         w32 = weight[start:end].float()
         logits = h32 @ w32.t()
+        if temperature != 1.0:
+            logits.div_(temperature)
         grad = _grad_logits_chunk(logits, start, targets_local, log_z, entropy, g_lp, g_ent)
+        if temperature != 1.0:  # d(l / T) / d l = 1 / T
+            grad.div_(temperature)
         if need_h:
             grad_h.addmm_(grad, w32)
         if need_w:
@@ -159,19 +171,20 @@ def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, 
 # ----------------------------------------------------------------------------------------------------------------
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy, backend, chunk, reduce_grad):
+    def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy, backend, chunk, reduce_grad,
+                temperature):
         targets_local = targets - vocab_start
         if weight.shape[0] == 0:  # this rank's shard is all vocabulary padding
             backend = "torch"
         if backend == "triton":
             tri = load_triton_module("logprob_triton", hidden)
-            m, s, u, t, found = tri.local_partials(hidden, weight, targets_local, with_entropy)
+            m, s, u, t, found = tri.local_partials(hidden, weight, targets_local, with_entropy, temperature)
         else:
-            m, s, u, t, found = _local_partials_torch(hidden, weight, targets_local, with_entropy, chunk)
+            m, s, u, t, found = _local_partials_torch(hidden, weight, targets_local, with_entropy, chunk, temperature)
         logprob, entropy, log_z = combine_partials(m, s, u, t, found, tp_group)
         ctx.save_for_backward(hidden, weight, targets_local, log_z, entropy if with_entropy else None)
         ctx.tp_group, ctx.backend, ctx.chunk, ctx.reduce_grad = tp_group, backend, chunk, reduce_grad
-        ctx.with_entropy = with_entropy
+        ctx.with_entropy, ctx.temperature = with_entropy, temperature
         ctx.set_materialize_grads(False)
         if with_entropy:
             return logprob, entropy
@@ -186,25 +199,26 @@ class _FusedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 9
+            return (None,) * 10
         g_lp = g_lp.float().contiguous() if g_lp is not None else None
         g_ent = g_ent.float().contiguous() if g_ent is not None else None
         if ctx.backend == "triton":
             tri = load_triton_module("logprob_triton", hidden)
-            grad_h, grad_w = tri.backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w)
+            grad_h, grad_w = tri.backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w,
+                                          ctx.temperature)
         else:
             grad_h, grad_w = _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, ctx.chunk,
-                                             need_h, need_w)
+                                             need_h, need_w, ctx.temperature)
         if grad_h is not None:
             if ctx.reduce_grad and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
                    tp_group=None, return_entropy: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK,
-                   reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None,
+                   reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None, temperature: float = 1.0,
                    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probs of `targets` under softmax(hidden @ W^T), vocabulary-parallel, without [N, V] logits.
 
@@ -223,6 +237,8 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             input came through Megatron's `copy_to_tensor_model_parallel_region` / sequence-parallel gather).
         vocab_size: number of REAL global vocabulary entries; weight rows with global id >= vocab_size (Megatron's
             vocabulary padding) are left out of the softmax and get zero gradient. None: every row is real.
+        temperature: T > 0; the log-probs (and entropy) are those of softmax(logits / T), the distribution a sampler
+            at temperature T draws from. 1.0 (default) skips the division: bit-identical to the plain softmax.
 
     Returns float32 log-probs with targets' shape, or (logprobs, entropy). Differentiable w.r.t. hidden and weight.
     """
@@ -241,6 +257,9 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError("fused_logprobs: hidden, weight and targets must be on the same device")
     if chunk_size < 1:
         raise ValueError(f"fused_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    temperature = float(temperature)
+    if not (temperature > 0 and temperature < float("inf")):
+        raise ValueError(f"fused_logprobs: temperature must be a finite number > 0, got {temperature}")
     lead = targets.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if not h2.is_contiguous():
@@ -253,16 +272,18 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     tg = targets.reshape(-1).long()
     chosen = resolve_backend(backend, hidden, "fused_logprobs")
     lp, ent = _FusedLogprobs.apply(h2, w, tg, int(vocab_start), tp_group, bool(return_entropy), chosen,
-                                   int(chunk_size), bool(reduce_hidden_grad))
+                                   int(chunk_size), bool(reduce_hidden_grad), temperature)
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
-                   return_entropy: bool = False):
+                   return_entropy: bool = False, temperature: float = 1.0):
     """The usual un-fused path in the input precision (full [N, V] logits + log_softmax): the benchmark baseline."""
     logits = (hidden @ weight.t()).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, (targets.long() - vocab_start).unsqueeze(-1)).squeeze(-1)
     if return_entropy:

@@ -9,6 +9,9 @@ when N is small; the per-split partials ([splits, N] each) are merged in torch.
 Backward (`backward`): per vocabulary chunk, a Triton kernel recomputes the logits tile and writes
 d loss / d logits for the chunk ([N, chunk] in the input dtype); two cuBLAS matmuls turn it into
 grad_hidden (accumulated in fp32) and the chunk's grad_weight rows.
+
+Temperature T: with SCALED (constexpr, T != 1) every logits tile is divided by T in fp32 right after the matmul, and
+the backward's d loss / d logits tile is divided by T (chain rule of l / T); T = 1 compiles without either op.
 """
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_h, str
 
 @triton.jit
 def _fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, t_ptr,
-                         N, V, HD, stride_h, stride_w, v_per_split,
-                         WITH_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                         N, V, HD, stride_h, stride_w, v_per_split, temperature,
+                         WITH_ENT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                          BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -68,6 +71,8 @@ def _fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, t_ptr,
         col_mask = cols < v_end
         logits = _logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_h, stride_w,
                               BLOCK_N, BLOCK_V, BLOCK_H, PRECISION, UPCAST)
+        if SCALED:
+            logits = logits / temperature
         logits = tl.where(col_mask[None, :], logits, float("-inf"))
         hit = (cols[None, :] == tgt[:, None]) & col_mask[None, :]
         t += tl.sum(tl.where(hit, logits, 0.0), axis=1)
@@ -90,8 +95,8 @@ def _fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, t_ptr,
 
 @triton.jit
 def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, gent_ptr, g_ptr,
-                            N, C, HD, stride_h, stride_w, stride_g, c0,
-                            HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
+                            N, C, HD, stride_h, stride_w, stride_g, c0, temperature,
+                            HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
                             UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -103,6 +108,8 @@ def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, g
     cols = c0 + lcols                                 # row of the local weight shard
     logits = _logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_h, stride_w,
                           BLOCK_N, BLOCK_V, BLOCK_H, PRECISION, UPCAST)
+    if SCALED:
+        logits = logits / temperature
     logz = tl.load(logz_ptr + rows, mask=row_mask, other=0.0)
     logp = logits - logz[:, None]
     p = tl.exp(logp)
@@ -116,6 +123,8 @@ def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, g
         glp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
         onehot = (cols[None, :] == tgt[:, None]).to(tl.float32)
         grad += glp[:, None] * (onehot - p)
+    if SCALED:
+        grad = grad / temperature
     tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], grad.to(g_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -136,8 +145,10 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor):
         raise ValueError("fused_logprobs[triton]: hidden and weight need a contiguous last dimension")
 
 
-def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor, with_entropy: bool):
-    """Per-row partials (m, s, u, t, found) over this shard, as in logprob._local_partials_torch."""
+def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor, with_entropy: bool,
+                   temperature: float = 1.0):
+    """Per-row partials (m, s, u, t, found) over this shard of logits / temperature, as in
+    logprob._local_partials_torch."""
     _check(hidden, weight)
     n, hd = hidden.shape
     v = weight.shape[0]
@@ -158,7 +169,8 @@ def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: to
     if n > 0:
         _fwd_partials_kernel[(n_blocks, splits)](
             hidden, weight, tg, m, s, u, t, n, v, hd, hidden.stride(0), weight.stride(0), v_per_split,
-            WITH_ENT=with_entropy, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
+            float(temperature), WITH_ENT=with_entropy, SCALED=float(temperature) != 1.0, BLOCK_N=BLOCK_N,
+            BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
             PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden.dtype), num_warps=NUM_WARPS)
     big_m = m.max(dim=0).values
     alpha = torch.exp(m - big_m)
@@ -171,7 +183,7 @@ def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: to
     return big_m, s_tot, u_tot, t.sum(0), found
 
 
-def backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w):
+def backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w, temperature: float = 1.0):
     _check(hidden, weight)
     n, hd = hidden.shape
     v = weight.shape[0]
@@ -193,8 +205,9 @@ def backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h,
         _bwd_grad_logits_kernel[grid](
             hidden, weight, tg, log_z, entropy if g_ent is not None else dummy,
             g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, gc,
-            n, c, hd, hidden.stride(0), weight.stride(0), g.stride(0), c0,
-            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
+            n, c, hd, hidden.stride(0), weight.stride(0), g.stride(0), c0, float(temperature),
+            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALED=float(temperature) != 1.0,
+            BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
             BLOCK_H=BLOCK_H, PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden.dtype), num_warps=NUM_WARPS)
         w_c = weight[c0:c0 + c]
         if need_h:

@@ -168,12 +168,13 @@ def scorers(chunks, max_tokens: int):
     from opid_mega.scoring.fork_scorer import ForkScorer
     from opid_mega.scoring.scorer import NaiveScorer
 
-    def naive_fn(seqs):
-        return compute_logprobs(chunks, [Sample(t, s) for t, s in seqs], max_tokens=max_tokens)
+    def naive_fn(seqs, temperature=1.0):
+        return compute_logprobs(chunks, [Sample(t, s) for t, s in seqs], max_tokens=max_tokens,
+                                temperature=temperature)
 
-    def packed_fn(mbs):
+    def packed_fn(mbs, temperature=1.0):
         batches = [PackedBatch.from_micro_batch(mb) for mb in mbs]
-        out = compute_logprobs(chunks, None, batches=batches)
+        out = compute_logprobs(chunks, None, batches=batches, temperature=temperature)
         return out
 
     return NaiveScorer(naive_fn), ForkScorer(packed_fn, max_tokens=max_tokens, share_prompts=False)

@@ -4,7 +4,9 @@ A :class:`PackedBatch` is one micro-batch: several sequences packed in ONE row (
 positions restarting at 0 for each sequence (or fork-layout positions/branch ids from the scoring batch builder),
 and the rows whose next-token log-prob is wanted (``score_rows``, ``score_targets``). The last pipeline stage turns
 those rows into log-probs with ``opid_mega.kernels.fused_logprobs`` over its vocabulary shard (max / sum-exp /
-target-logit all-reduced over TP); the full-vocabulary logits never exist.
+target-logit all-reduced over TP); the full-vocabulary logits never exist. ``temperature`` (default 1.0) gives the
+log-probs (and entropy) of softmax(logits / T): pass the rollout's sampling temperature so old, new, reference and
+skill-context log-probs are those of the distribution the sampler drew from (OPID.md "Reference rules in detail").
 
 :func:`forward_step` and :func:`logprob_loss_func` are plain megatron-core schedule callbacks: hand them to
 ``get_forward_backward_func()`` with ``forward_only=True``.
@@ -152,13 +154,14 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def forward_step(data_iterator, model, *, return_entropy: bool = False, loss_func=None):
+def forward_step(data_iterator, model, *, return_entropy: bool = False, loss_func=None, temperature: float = 1.0):
     """megatron-core ``forward_step_func``: runs one :class:`PackedBatch` through ``model``.
 
-    ``loss_func(batch, output)`` is bound to the batch; the default collects log-probs (forward only)."""
+    ``loss_func(batch, output)`` is bound to the batch; the default collects log-probs (forward only).
+    ``temperature``: log-probs and entropy of softmax(logits / temperature)."""
     batch: PackedBatch = next(data_iterator).to(_device())
     out = model(batch.input_ids, batch.position_ids, None, layout=batch.layout, score_rows=batch.score_rows,
-                score_targets=batch.score_targets, return_entropy=return_entropy)
+                score_targets=batch.score_targets, return_entropy=return_entropy, temperature=temperature)
     return out, partial(loss_func or logprob_loss_func, batch)
 
 
@@ -190,16 +193,18 @@ def run_schedule(chunks, batches: list[PackedBatch], forward_step_func, forward_
 
 @torch.no_grad()
 def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, return_entropy: bool = False,
-                     batches: Optional[list[PackedBatch]] = None):
+                     batches: Optional[list[PackedBatch]] = None, temperature: float = 1.0):
     """Log-probs (and entropies) of ``tokens[score_from:]`` for each sample, on every rank of the model-parallel
     group (broadcast from the last pipeline stage). Returns a list of float32 tensors (or two lists).
-    Pre-built ``batches`` (e.g. fork-layout batches) may be given instead of samples."""
+    Pre-built ``batches`` (e.g. fork-layout batches) may be given instead of samples. ``temperature``: of
+    softmax(logits / temperature), the sampling temperature of the rollout (1.0: the plain softmax)."""
     for c in chunks:
         c.eval()
     if batches is None:
         plan = plan_micro_batches([len(s.tokens) for s in samples], max_tokens)
         batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]
-    outs = run_schedule(chunks, batches, partial(forward_step, return_entropy=return_entropy), forward_only=True)
+    outs = run_schedule(chunks, batches, partial(forward_step, return_entropy=return_entropy, temperature=temperature),
+                        forward_only=True)
     lps, ents = [], []
     for d in outs:
         lps.extend(d["logprobs"])

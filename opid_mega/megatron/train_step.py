@@ -36,6 +36,9 @@ class LossConfig:
     entropy_coef: float = 0.001
     # token-mean (the paper's) | seq-mean-token-sum | seq-mean-token-mean, over the whole mini-batch
     loss_agg: str = "token-mean"
+    # The rollout's sampling temperature: the new log-probs (and entropy) are those of softmax(logits / T), like the
+    # old and reference log-probs they are compared with (compute_logprobs(..., temperature=T)).
+    temperature: float = 1.0
 
 
 def token_weights(batch: PackedBatch, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +156,8 @@ def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tok
     optimizer.zero_grad()
     plan = plan_micro_batches([len(s.tokens) for s in samples], micro_tokens)
     batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]  # a DP rank with no samples
-    step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg))
+    step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg),
+                   temperature=cfg.temperature)
     outs = run_schedule(ddp_chunks, batches, step, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     metrics = _broadcast_from_last_stage(_reduce_metrics(outs) if outs else None) or {}
@@ -203,7 +207,8 @@ class ReferenceWeights:
                 for n, p in c.named_parameters():
                     p.copy_(saved[n])
 
-    def logprobs(self, chunks, samples: Sequence[Sample], max_tokens: int = 4096):
-        """Reference-policy log-probs of ``samples`` (for the KL term), computed with the swapped-in weights."""
+    def logprobs(self, chunks, samples: Sequence[Sample], max_tokens: int = 4096, temperature: float = 1.0):
+        """Reference-policy log-probs of ``samples`` (for the KL term), computed with the swapped-in weights at the
+        sampling temperature."""
         with self.swapped_in(chunks):
-            return compute_logprobs(chunks, samples, max_tokens=max_tokens)
+            return compute_logprobs(chunks, samples, max_tokens=max_tokens, temperature=temperature)

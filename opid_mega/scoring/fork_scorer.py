@@ -4,7 +4,8 @@ Each step-sample's contexts (original + one per skill) become one fork group `[p
 (`opid_mega.scoring.layout`); step-samples with identical prompts (step 0 of every trajectory of a GRPO group)
 share one prefix. Groups are packed into micro-batches of at most `max_tokens` tokens and handed to
 `packed_logprob_fn`, which runs the model over each packed micro-batch (positions, branch ids and `cu_seqlens`
-drive RoPE and the fork attention) and returns the log-probs of its `gather_rows` -> `gather_targets`.
+drive RoPE and the fork attention) and returns the log-probs of its `gather_rows` -> `gather_targets` at the
+sampling temperature it is given (`temperature=` keyword, as for NaiveScorer's logprob_fn).
 """
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from opid_mega.scoring.scorer import ScoreRequest, ScoreResult
+from opid_mega.scoring.scorer import ScoreRequest, ScoreResult, check_temperature
 
-# packed_logprob_fn(micro_batches) -> one float32 tensor [M_b] per micro-batch: the log-probs of
-# `gather_targets` read at hidden rows `gather_rows` (see opid_mega.batching.MicroBatch).
-PackedLogprobFn = Callable[[list], list[torch.Tensor]]
+# packed_logprob_fn(micro_batches, temperature=T) -> one float32 tensor [M_b] per micro-batch: the log-probs of
+# `gather_targets` read at hidden rows `gather_rows` (see opid_mega.batching.MicroBatch) under softmax(logits / T).
+PackedLogprobFn = Callable[..., list[torch.Tensor]]
 
 
 class ForkScorer:
     name = "fork"
 
-    def __init__(self, packed_logprob_fn: PackedLogprobFn, max_tokens: int = 8192, share_prompts: bool = True):
+    def __init__(self, packed_logprob_fn: PackedLogprobFn, max_tokens: int = 8192, share_prompts: bool = True,
+                 temperature: float = 1.0):
         if max_tokens < 1:
             raise ValueError(f"ForkScorer: max_tokens={max_tokens} must be >= 1")
         self.packed_logprob_fn = packed_logprob_fn
+        self.temperature = check_temperature(temperature, "ForkScorer")
         self.max_tokens = max_tokens
         self.share_prompts = share_prompts
         self.last_tokens = 0  # tokens run through the model by the last score() call
@@ -50,7 +53,7 @@ class ForkScorer:
         self.last_tokens = int(sum(mb.num_tokens for mb in mbs))
         self.last_naive_tokens = int(packed.num_naive_tokens)
         self.last_shared_fraction = float(packed.shared_fraction)
-        flats = self.packed_logprob_fn(mbs)
+        flats = self.packed_logprob_fn(mbs, temperature=self.temperature)
         if len(flats) != len(mbs):
             raise RuntimeError(f"packed_logprob_fn returned {len(flats)} results for {len(mbs)} micro-batches")
         for b, (mb, f) in enumerate(zip(mbs, flats)):

@@ -4,6 +4,11 @@
 `NaiveScorer` runs every context as its own sequence (the reference code's way, and the benchmark baseline);
 `opid_mega.scoring.fork_scorer.ForkScorer` scores all contexts of a step-sample in one forward over the fork layout.
 Both take the model through one function, `logprob_fn`, so the scorer knows no Megatron.
+
+Temperature: every context is scored at the rollout's sampling temperature T (log-probs of softmax(logits / T), as
+the sampler saw them; OPID.md "Reference rules in detail"), so the original context gives exactly PPO's old
+log-probs and Δ compares two distributions at the same T. A scorer is built with `temperature=T` and hands it to its
+model function as the keyword `temperature=` on every call (1.0: the plain softmax).
 """
 from __future__ import annotations
 
@@ -48,8 +53,17 @@ class ScoreResult:
     skill: dict  # kind -> float32 [R]: log π_old(y_t | h ⊕ s_kind, y_<t)
 
 
-# logprob_fn(sequences) -> log-probs: for each (tokens, score_from), the float32 log-probs of tokens[score_from:].
-LogprobFn = Callable[[list[tuple[list[int], int]]], list[torch.Tensor]]
+# logprob_fn(sequences, temperature=T) -> log-probs: for each (tokens, score_from), the float32 log-probs of
+# tokens[score_from:] under softmax(logits / T).
+LogprobFn = Callable[..., list[torch.Tensor]]
+
+
+def check_temperature(temperature: float, who: str) -> float:
+    t = float(temperature)
+    if not (0 < t < float("inf")):
+        raise ValueError(f"{who}: temperature must be a finite number > 0 (the rollout's sampling temperature), "
+                         f"got {temperature!r}")
+    return t
 
 
 class Scorer(Protocol):
@@ -61,8 +75,9 @@ class NaiveScorer:
 
     name = "naive"
 
-    def __init__(self, logprob_fn: LogprobFn):
+    def __init__(self, logprob_fn: LogprobFn, temperature: float = 1.0):
         self.logprob_fn = logprob_fn
+        self.temperature = check_temperature(temperature, "NaiveScorer")
         self.last_tokens = 0  # tokens run through the model by the last score() call
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
@@ -74,7 +89,7 @@ class NaiveScorer:
                 seqs.append((ctx, len(ctx) - len(r.response_ids)))
                 index.append((i, kind))
         self.last_tokens = sum(len(t) for t, _ in seqs)
-        lps = self.logprob_fn(seqs) if seqs else []
+        lps = self.logprob_fn(seqs, temperature=self.temperature) if seqs else []
         results = [ScoreResult(orig=torch.empty(0), skill={}) for _ in requests]
         for (i, kind), lp in zip(index, lps):
             if kind is None:

@@ -39,16 +39,19 @@ SCRIPT = textwrap.dedent(r"""
         blocks = {"BLOCK_N": LT.BLOCK_N, "BLOCK_V": LT.BLOCK_V, "BLOCK_H": LT.BLOCK_H, "PRECISION": prec,
                   "UPCAST": False}
         sig = dict(p, m_ptr="*fp32", s_ptr="*fp32", u_ptr="*fp32", t_ptr="*fp32", N="i32", V="i32", HD="i32",
-                   stride_h="i32", stride_w="i32", v_per_split="i32", WITH_ENT="constexpr")
+                   stride_h="i32", stride_w="i32", v_per_split="i32", temperature="fp32", WITH_ENT="constexpr",
+                   SCALED="constexpr")
         sig.update({k: "constexpr" for k in blocks})
-        comp(LT._fwd_partials_kernel, sig, dict(blocks, WITH_ENT=True), "logprob_fwd_" + dt, arch, LT.NUM_WARPS, 3)
+        # SCALED: the sampling-temperature path (logits / T), a superset of the T = 1 code
+        comp(LT._fwd_partials_kernel, sig, dict(blocks, WITH_ENT=True, SCALED=True), "logprob_fwd_" + dt, arch,
+             LT.NUM_WARPS, 3)
         if dt != "fp16":
             sig = dict(p, logz_ptr="*fp32", ent_ptr="*fp32", glp_ptr="*fp32", gent_ptr="*fp32", g_ptr="*" + dt,
                        N="i32", C="i32", HD="i32", stride_h="i32", stride_w="i32", stride_g="i32", c0="i32",
-                       HAS_GLP="constexpr", HAS_GENT="constexpr")
+                       temperature="fp32", HAS_GLP="constexpr", HAS_GENT="constexpr", SCALED="constexpr")
             sig.update({k: "constexpr" for k in blocks})
-            comp(LT._bwd_grad_logits_kernel, sig, dict(blocks, HAS_GLP=True, HAS_GENT=True), "logprob_bwd_" + dt,
-                 arch, LT.NUM_WARPS, 3)
+            comp(LT._bwd_grad_logits_kernel, sig, dict(blocks, HAS_GLP=True, HAS_GENT=True, SCALED=True),
+                 "logprob_bwd_" + dt, arch, LT.NUM_WARPS, 3)
         d = 128
         bm, bn, stages = FT._config(tdt, d)
         sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "o_ptr": "*" + dt, "cu_ptr": "*i32",

@@ -207,6 +207,47 @@ def test_public_forward_step_and_loss_func_with_megatron_schedule(mp1, tmp_path)
     assert int(ntok) == lp.numel() and abs(float(loss_sum / ntok) - want.item()) <= 1e-5
 
 
+def test_logprobs_and_ppo_forward_at_the_sampling_temperature(mp1, tmp_path):
+    """OPID.md: log-probs are computed at the sampling temperature (logits / T). The scoring forward (old log-probs,
+    entropy) equals a float64 HF log_softmax(logits / T); the PPO training forward uses the same T: with old
+    log-probs = the HF reference at T, the first mini-batch has approx-KL 0 and the loss is the PPO loss at T."""
+    from opid_mega.algo import ppo_policy_loss
+    from opid_mega.megatron.logprobs import Sample, compute_logprobs
+    from opid_mega.megatron.train_step import LossConfig, build_optimizer, train_mini_batch, wrap_ddp
+
+    T = 0.7
+    hf = make_hf_model("qwen3", str(tmp_path), layers=2).double()
+    _, chunks = _megatron(str(tmp_path))
+    seqs = random_sequences(8, [(9, 3), (14, 2), (6, 4)])
+
+    def ref_at(tokens, k, temp):  # float64: log_softmax(logits / temp) at the scored rows, and its entropy
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0] / temp, -1)
+        rows = torch.arange(k - 1, len(tokens) - 1)
+        return logp[rows, torch.tensor(tokens[k:])], -(logp[rows].exp() * logp[rows]).sum(-1)
+
+    lp, ent = compute_logprobs(chunks, [Sample(t, k) for t, k in seqs], return_entropy=True, temperature=T)
+    lp1 = compute_logprobs(chunks, [Sample(t, k) for t, k in seqs])
+    for (t, k), a, e, a1 in zip(seqs, lp, ent, lp1):
+        ref_lp, ref_ent = ref_at(t, k, T)
+        assert (a.double() - ref_lp).abs().max() <= 1e-5 and (e.double() - ref_ent).abs().max() <= 1e-5
+        assert (a1.double() - ref_at(t, k, 1.0)[0]).abs().max() <= 1e-5  # default: T = 1
+        assert (a1.double() - ref_lp).abs().max() > 1e-3  # T really changes the numbers
+
+    g = torch.Generator().manual_seed(2)
+    old = [ref_at(t, k, T)[0] for t, k in seqs]
+    samples = [Sample(t, k, old_logprobs=o.tolist(), advantages=torch.randn(len(o), generator=g).tolist())
+               for (t, k), o in zip(seqs, old)]
+    model = wrap_ddp(chunks, chunks[0].config)
+    opt = build_optimizer(model, lr=0.0)
+    adv = torch.tensor([a for s in samples for a in s.advantages], dtype=torch.float64)
+    want, _ = ppo_policy_loss(torch.cat(old), torch.cat(old), adv, torch.ones_like(adv))
+    m = train_mini_batch(model, opt, samples, 64, LossConfig(kl_coef=0.0, entropy_coef=0.0, temperature=T))
+    assert abs(m["approx_kl"]) < 1e-6 and abs(m["loss"] - want.item()) <= 1e-5
+    m1 = train_mini_batch(model, opt, samples, 64, LossConfig(kl_coef=0.0, entropy_coef=0.0))  # T = 1: off
+    assert abs(m1["approx_kl"]) > 1e-4
+
+
 def test_cpu_compat_keeps_hf_loading_intact_and_is_removable(tmp_path):
     """In a fresh process: after cpu_compat.apply(), an HF model loads with correct RoPE buffers, megatron-style
     device="cuda" factories land on the CPU, and remove() restores torch."""

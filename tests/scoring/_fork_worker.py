@@ -54,29 +54,35 @@ def run_rank(out_path: str):
         parallel.initialize(tp=tp, pp=pp, seed=7)
         chunks = build_model(hf, transformer_config(hf, tp=tp, pp=pp))
 
-        def naive_fn(seqs):
-            return compute_logprobs(chunks, [Sample(t, s) for t, s in seqs], max_tokens=64)
+        def naive_fn(seqs, temperature):
+            return compute_logprobs(chunks, [Sample(t, s) for t, s in seqs], max_tokens=64, temperature=temperature)
 
-        def packed_fn(mbs):
+        def packed_fn(mbs, temperature):
             batches = [PackedBatch.from_micro_batch(mb) for mb in mbs]
-            return [lp[0] for lp in map(lambda b: compute_logprobs(chunks, None, batches=[b]), batches)]
+            return [compute_logprobs(chunks, None, batches=[b], temperature=temperature)[0] for b in batches]
 
-        for placement in ("faithful", "late"):
-            for additive in (False, True):
-                rng = random.Random(11 + tp * 10 + pp + additive)
-                reqs = make_requests(rng, hf.vocab_size, placement, additive)
-                naive = NaiveScorer(naive_fn).score(reqs)
-                fork_scorer = ForkScorer(packed_fn, max_tokens=96)
-                fork = fork_scorer.score(reqs)
-                diff = 0.0
-                for a, b in zip(naive, fork):
-                    assert a.orig.shape == b.orig.shape and set(a.skill) == set(b.skill)
-                    diff = max(diff, (a.orig - b.orig).abs().max().item())
-                    for k in a.skill:
-                        diff = max(diff, (a.skill[k] - b.skill[k]).abs().max().item())
-                key = f"tp{tp}pp{pp}-{placement}-{'additive' if additive else 'routed'}"
-                results[key] = {"max_abs_diff": diff, "shared_fraction": fork_scorer.last_shared_fraction,
-                                "n_values": sum(r.orig.numel() for r in naive)}
+        # (placement, additive, sampling temperature): T=0.7 scores every context at logits / 0.7 in both scorers
+        cases = [(p, a, 1.0) for p in ("faithful", "late") for a in (False, True)] + [("faithful", False, 0.7)]
+        for placement, additive, temp in cases:
+            rng = random.Random(11 + tp * 10 + pp + additive)
+            reqs = make_requests(rng, hf.vocab_size, placement, additive)
+            naive = NaiveScorer(naive_fn, temperature=temp).score(reqs)
+            fork_scorer = ForkScorer(packed_fn, max_tokens=96, temperature=temp)
+            fork = fork_scorer.score(reqs)
+            diff = 0.0
+            for a, b in zip(naive, fork):
+                assert a.orig.shape == b.orig.shape and set(a.skill) == set(b.skill)
+                diff = max(diff, (a.orig - b.orig).abs().max().item())
+                for k in a.skill:
+                    diff = max(diff, (a.skill[k] - b.skill[k]).abs().max().item())
+            key = f"tp{tp}pp{pp}-{placement}-{'additive' if additive else 'routed'}" + \
+                ("" if temp == 1.0 else f"-T{temp}")
+            results[key] = {"max_abs_diff": diff, "shared_fraction": fork_scorer.last_shared_fraction,
+                            "n_values": sum(r.orig.numel() for r in naive)}
+            if temp != 1.0:  # the temperature really reaches the model: T=1 gives other numbers
+                plain = NaiveScorer(naive_fn, temperature=1.0).score(reqs)
+                results[key]["temperature_effect"] = max((a.orig - b.orig).abs().max().item()
+                                                         for a, b in zip(naive, plain))
         parallel.parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

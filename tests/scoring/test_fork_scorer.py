@@ -1,5 +1,6 @@
 """The fork scorer equals the naive (two/three-pass) scorer on random tiny Megatron models: TP1, TP2, PP2, both
-placements, routed (two contexts) and additive (three contexts), shared prompts, empty tails, 1-token responses."""
+placements, routed (two contexts) and additive (three contexts), shared prompts, empty tails, 1-token responses,
+and at a sampling temperature of 0.7 (every context scored at logits / 0.7 by both scorers)."""
 import json
 import os
 import subprocess
@@ -24,6 +25,9 @@ def _check(res, layouts):
         assert v["n_values"] > 10, key
         assert v["max_abs_diff"] <= 1e-5, (key, v)
         assert 0.0 < v["shared_fraction"] < 1.0, (key, v)
+        if key.endswith("-T0.7"):
+            assert v["temperature_effect"] > 1e-3, (key, v)
+    assert {k.split("-")[0] for k in res if k.endswith("-T0.7")} == set(layouts)
 
 
 @pytest.mark.slow
