@@ -64,6 +64,9 @@ class EnvConfig:
     train_split: str = "train"
     eval_split: str = "test"
     num_workers: int = 8  # environments stepped in parallel threads (the AgentLoop's thread pool)
+    # Time limit of one env step; past it the trajectory ends as an env error (rollout/env_errors) and the loop
+    # moves on. In-process envs leave the stuck call behind in a daemon thread; `options: {process: true}` kills it.
+    step_timeout_s: float = 60.0
 
 
 @dataclass
@@ -99,7 +102,7 @@ class AnalyzerConfig:
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
     temperature: float = 0.0
-    max_tokens: int = 1024
+    max_tokens: int = 4096  # the analyzer's completion budget, as in the reference
     json_mode: bool = True  # JSON-constrained decoding where the server supports it
     # On-disk analysis cache (JSONL, keyed by the trajectory text); empty: <run_dir>/analysis_cache.jsonl.
     cache_path: str = ""
@@ -124,7 +127,9 @@ class AlgoConfig:
     kl_kind: Literal["low_var_kl", "k1", "k2", "mse"] = "low_var_kl"
     entropy_coef: float = 0.001
 
-    # The mode decides routing and which skill types carry signal (OPID.md, "Critical-first routing").
+    # The mode decides routing and which skill types carry signal (OPID.md, "Critical-first routing"); routing is
+    # also gated by λ as in the reference: lambda_step=0 routes like mode=no_step_skill, lambda_episode=0 like
+    # mode=no_episode_skill (algo.route_skills).
     @property
     def routing(self) -> str:
         return "additive" if self.mode == "no_routing" else "step_priority"
@@ -146,6 +151,11 @@ class AlgoConfig:
 class TrainConfig:
     iterations: int = 160
     lr: float = 1e-6
+    # constant: train.lr at every iteration. warmup (the reference's Search-QA scripts): linear warm-up over the
+    # first W = int(lr_warmup_ratio * iterations) iterations, then constant; iteration it (1-based) trains with
+    # lr * min(1, (it - 1) / W), the reference's constant-with-warm-up schedule stepped once per iteration.
+    lr_scheduler: Literal["constant", "warmup"] = "constant"
+    lr_warmup_ratio: float = 0.0  # fraction of train.iterations (warmup only)
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -155,6 +165,8 @@ class TrainConfig:
     ppo_epochs: int = 1
     seed: int = 1
     save_interval: int = 10
+    # Checkpoints kept on disk (the newest N; older ones are deleted after each save); 0 keeps every checkpoint.
+    keep_checkpoints: int = 2
     use_reference: bool = True  # compute reference log-probs for the KL term (kl_coef > 0)
 
 
@@ -167,14 +179,22 @@ class SftConfig:
     mini_batch_size: int = 64  # step-samples per optimizer step
     # The <think> text of every target response; `{action}` is replaced by the expert action.
     think: str = "I will {action}."
+    # Share of the expert step-samples whose prompt carries a skill section: the RuleAnalyzer's analysis of that
+    # expert trajectory, routed critical-first (step skill at its critical steps, else the episode skill), placed
+    # faithful or late at random (seeded), so the warm start learns that sections are informative. 0: no sections
+    # (and no change to the warm start's cache key).
+    skill_share: float = 0.0
 
 
 @dataclass
 class EvalConfig:
-    interval: int = 10  # iterations between evaluations (0: never); also run before the first iteration
+    interval: int = 10  # iterations between evaluations (0: never); also after the last iteration (the reference's)
+    before_training: bool = True  # also evaluate before the first iteration (when interval > 0)
     num_tasks: int = 32
     temperature: float = 0.4
-    with_skills: bool = False  # skill_grpo: also evaluate with skills in the prompt
+    # Also evaluate WITH skills (always on for skill_grpo): each eval task is played a second time with the episode
+    # skill the analyzer wrote from that task's own no-skill eval trajectory (no skill if that analysis failed).
+    with_skills: bool = False
 
 
 @dataclass
@@ -226,6 +246,7 @@ _CHECKS: dict[str, tuple] = {
     "env.max_steps": _POSITIVE_INT,
     "env.history_length": (lambda v: v >= 0, "an integer >= 0"),
     "env.num_workers": _POSITIVE_INT,
+    "env.step_timeout_s": _POSITIVE,
     "rollout.tasks_per_iter": _POSITIVE_INT,
     "rollout.group_size": _POSITIVE_INT,
     "rollout.temperature": _POSITIVE,
@@ -248,14 +269,17 @@ _CHECKS: dict[str, tuple] = {
     "algo.entropy_coef": _NON_NEG,
     "train.iterations": (lambda v: v >= 0, "an integer >= 0"),
     "train.lr": _NON_NEG,
+    "train.lr_warmup_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "train.grad_clip": _NON_NEG,
     "train.mini_batch_size": _POSITIVE_INT,
     "train.micro_batch_tokens": _POSITIVE_INT,
     "train.ppo_epochs": _POSITIVE_INT,
     "train.save_interval": (lambda v: v >= 0, "an integer >= 0"),
+    "train.keep_checkpoints": (lambda v: v >= 0, "an integer >= 0 (0 keeps all)"),
     "sft.epochs": _POSITIVE_INT,
     "sft.lr": _NON_NEG,
     "sft.mini_batch_size": _POSITIVE_INT,
+    "sft.skill_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "eval.interval": (lambda v: v >= 0, "an integer >= 0"),
     "eval.num_tasks": (lambda v: v >= 0, "an integer >= 0"),
     "eval.temperature": _POSITIVE,
@@ -376,6 +400,10 @@ def validate(cfg: Config) -> Config:
         pass  # skill_grpo scores only the rollout context; the scorer choice is irrelevant but allowed
     if "{action}" not in cfg.sft.think:
         raise ConfigError(f"sft.think: got {cfg.sft.think!r}, allowed: a string containing {{action}}")
+    if (cfg.train.lr_scheduler == "warmup") != (cfg.train.lr_warmup_ratio > 0):
+        raise ConfigError(f"train.lr_warmup_ratio: got {cfg.train.lr_warmup_ratio!r} with train.lr_scheduler="
+                          f"{cfg.train.lr_scheduler}, allowed: a number in (0, 1] with lr_scheduler=warmup, 0 with "
+                          "lr_scheduler=constant")
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         raise ConfigError("parallel.vpp: got %d, allowed: 1 unless parallel.pp > 1" % cfg.parallel.vpp)
     return cfg

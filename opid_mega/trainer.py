@@ -10,7 +10,8 @@
         advantages (step_scores -> outcome_advantage by task group, skill_delta per kind, combine_advantages)
         Megatron PPO update in mini-batches (train.mini_batch_size step-samples, micro-batches by tokens)
         weight sync Megatron -> rollout engine
-        evaluation without skills every eval.interval iterations; metrics; checkpoint every train.save_interval
+        evaluation without skills every eval.interval iterations and after the last; metrics; checkpoint every
+        train.save_interval
 
 `grpo` and `opid` share everything (tasks, sampling seeds, mini-batch order) except the λΔ term.
 Multi-rank (torchrun, any TP x PP x DP): every rank holds its Megatron shard; rollout, analysis, evaluation, metrics
@@ -54,7 +55,8 @@ def build_agent_loop(cfg: Config, engine, tokenizer, hf_dir: str):
 
     return AgentLoop(engine, tokenizer, env_factory=env_factory(cfg), history_length=cfg.env.history_length,
                      num_workers=cfg.env.num_workers, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                     enable_thinking=cfg.model.enable_thinking, model_path=hf_dir)
+                     enable_thinking=cfg.model.enable_thinking, model_path=hf_dir,
+                     step_timeout_s=cfg.env.step_timeout_s)
 
 
 def play(loop, cfg: Config, tasks, group_size: int, temperature: float, seed: int, skills=None):
@@ -112,7 +114,8 @@ class Policy:
         a = cfg.algo
         self.loss_cfg = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                                    kl_coef=a.kl_coef if self.reference else 0.0, kl_kind=a.kl_kind,
-                                   entropy_coef=a.entropy_coef, loss_agg=a.loss_agg)
+                                   entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
+                                   temperature=cfg.rollout.temperature)  # new log-probs at the sampling T
 
     @staticmethod
     def dp_map(fn, items: list) -> list:
@@ -133,19 +136,29 @@ class Policy:
                 out[i] = r
         return out
 
-    def logprobs(self, seqs: list) -> list:
-        """NaiveScorer's logprob_fn: [(tokens, score_from)] -> float32 log-probs of tokens[score_from:]."""
+    def logprobs(self, seqs: list, temperature: Optional[float] = None) -> list:
+        """NaiveScorer's logprob_fn: [(tokens, score_from)] -> float32 log-probs of tokens[score_from:] under
+        softmax(logits / temperature); None: the rollout's sampling temperature (rollout.temperature)."""
         from opid_mega.megatron.logprobs import Sample, compute_logprobs
 
+        temp = self.cfg.rollout.temperature if temperature is None else temperature
         return self.dp_map(lambda part: compute_logprobs(self.chunks, [Sample(t, s) for t, s in part],
+                                                         temperature=temp,
                                                          max_tokens=self.cfg.train.micro_batch_tokens), seqs)
 
-    def packed_logprobs(self, mbs: list) -> list:
+    def packed_logprobs(self, mbs: list, temperature: Optional[float] = None) -> list:
         """ForkScorer's packed_logprob_fn: fork-layout micro-batches -> one float32 tensor per micro-batch."""
         from opid_mega.megatron.logprobs import PackedBatch, compute_logprobs
 
         batches = [PackedBatch.from_micro_batch(mb) for mb in mbs]
-        return self.dp_map(lambda part: compute_logprobs(self.chunks, [], batches=part), batches)
+        temp = self.cfg.rollout.temperature if temperature is None else temperature
+        return self.dp_map(lambda part: compute_logprobs(self.chunks, [], batches=part, temperature=temp), batches)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps, on every parameter group (what megatron's own
+        OptimizerParamScheduler does; `learning_rate` gives the value per iteration)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def reference_logprobs(self, seqs: list) -> list:
         with self.reference.swapped_in(self.chunks):
@@ -187,7 +200,8 @@ class Policy:
     def save(self, ckpt_dir: str, step: int, state: dict) -> None:
         from opid_mega.megatron import checkpoint
 
-        checkpoint.save(ckpt_dir, step, self.chunks, self.optimizer, extra={"trainer_state": json.dumps(state)})
+        checkpoint.save(ckpt_dir, step, self.chunks, self.optimizer, extra={"trainer_state": json.dumps(state)},
+                        keep=self.cfg.train.keep_checkpoints)
 
     def load(self, ckpt_dir: str) -> tuple[int, dict]:
         from opid_mega.megatron import checkpoint
@@ -321,6 +335,38 @@ def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups):
     return a_out, algo.combine_advantages(a_out, deltas, lambdas, mask), old, mask
 
 
+def skill_key(task) -> str:
+    """The skill bank's key of a task: the same string as `Trajectory.task_id` of its rollouts (the AgentLoop sets
+    task_id = str(task.id)), so a task's rollouts find the skill of that task's own latest analysis."""
+    return str(getattr(task, "id", task))
+
+
+def should_evaluate(cfg: Config, it: int) -> bool:
+    """Whether the no-skill evaluation runs after iteration `it` (0: before the first iteration): every
+    eval.interval iterations and after the last one (the reference validates at its last step too), before training
+    when eval.before_training; never with eval.interval = 0."""
+    if not cfg.eval.interval:
+        return False
+    if it == 0:
+        return cfg.eval.before_training
+    return it % cfg.eval.interval == 0 or it == cfg.train.iterations
+
+
+def learning_rate(train, it: int) -> float:
+    """The learning rate of iteration `it` (1-based) under `train.lr_scheduler` (a TrainConfig): constant ->
+    train.lr; warmup -> train.lr * min(1, (it - 1) / W) with W = int(train.lr_warmup_ratio * train.iterations), the
+    reference's constant schedule with linear warm-up, stepped once per iteration after the update (so its first
+    update runs at 0). Every mini-batch of an iteration uses the same rate."""
+    if train.lr_scheduler == "constant":
+        return train.lr
+    if train.lr_scheduler != "warmup":
+        raise ValueError(f"train.lr_scheduler={train.lr_scheduler!r}, allowed: constant, warmup")
+    warmup = int(train.lr_warmup_ratio * train.iterations)
+    if warmup <= 0 or it - 1 >= warmup:
+        return train.lr
+    return train.lr * (it - 1) / warmup
+
+
 def broadcast(produce):
     """`produce()` on global rank 0, its result (or its error) sent to every rank. Single process: just the call."""
     import torch.distributed as dist
@@ -383,8 +429,9 @@ class Trainer:
         # a fork group (a prompt, its skill sections, up to 3 responses) must fit one scoring micro-batch
         fork_budget = max(cfg.train.micro_batch_tokens,
                           4 * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens))
-        self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget) \
-            if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs)
+        # every context is scored at the sampling temperature (old log-probs and Δ as the sampler saw them)
+        self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature) \
+            if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
         self.start = 0
@@ -408,7 +455,7 @@ class Trainer:
     def fit(self) -> None:
         cfg = self.cfg
         try:
-            if self.start == 0 and cfg.eval.interval and self.eval_tasks and self.rank0:
+            if self.start == 0 and should_evaluate(cfg, 0) and self.eval_tasks and self.rank0:
                 self.log.log(0, self.evaluate(0))
             for it in range(self.start + 1, cfg.train.iterations + 1):
                 try:
@@ -420,7 +467,7 @@ class Trainer:
                     where = f"{self.ckpt_dir}/step_{last}" if last is not None else "none yet"
                     raise RolloutEngineDied(f"iteration {it}: {exc}. Last checkpoint: {where} "
                                             f"(resume with: opid-train --resume {self.run_dir})") from exc
-                if cfg.eval.interval and it % cfg.eval.interval == 0 and self.eval_tasks and self.rank0:
+                if should_evaluate(cfg, it) and self.eval_tasks and self.rank0:
                     metrics.update(self.evaluate(it))
                 if self.rank0:
                     self.log.log(it, metrics)
@@ -442,7 +489,8 @@ class Trainer:
         with timer("rollout"):
             tasks = self.env0.tasks(cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed * 7919 + it)
             G = cfg.rollout.group_size
-            skills = [self.skill_bank.get(str(t.id)) for t in tasks for _ in range(G)] \
+            # skill_grpo: every rollout of task t carries the episode skill of t's OWN latest analysis (none yet: none)
+            skills = [self.skill_bank.get(skill_key(t)) for t in tasks for _ in range(G)] \
                 if cfg.algo.mode == "skill_grpo" else None
             batch = broadcast(lambda: play(self.loop, cfg, tasks, G, cfg.rollout.temperature,
                                            seed=cfg.train.seed * 100_003 + it, skills=skills))
@@ -451,8 +499,8 @@ class Trainer:
         trajs = [t for t in batch.trajectories if not t.env_error]
         samples = [(ti, si, s) for ti, t in enumerate(trajs) for si, s in enumerate(t.steps)]
         if not samples:
-            raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised, or every "
-                               f"first prompt exceeds rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens})")
+            raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
+                               "rollout/env_errors and the trajectories' errors)")
         orig = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for _, _, s in samples]
 
         # 2. analysis in the background while the reference log-probs are computed
@@ -471,9 +519,11 @@ class Trainer:
                 continue
             steps = {k: v for k, v in an.step_skills.items() if 0 <= k < len(t.steps)}
             routes.extend(algo.route_skills(len(t.steps), steps, an.episode_skill, mode=cfg.algo.routing,
-                                            use_episode=cfg.algo.use_episode, use_step=cfg.algo.use_step))
+                                            use_episode=cfg.algo.use_episode, use_step=cfg.algo.use_step,
+                                            lambda_episode=cfg.algo.lambda_episode,
+                                            lambda_step=cfg.algo.lambda_step))
             if cfg.algo.mode == "skill_grpo" or cfg.eval.with_skills:
-                self.skill_bank[t.task_id] = an.episode_skill
+                self.skill_bank[t.task_id] = an.episode_skill  # t.task_id == skill_key(its task)
 
         # 4. scoring with the old weights: original context (= PPO old log-probs) and every routed skill context
         with timer("scoring"):
@@ -510,6 +560,8 @@ class Trainer:
                 train_samples.append(Sample(s.prompt_ids + s.response_ids, len(s.prompt_ids),
                                             old_logprobs=old[k, :n].tolist(), advantages=adv[k, :n].tolist(),
                                             ref_logprobs=ref_lps[k].tolist() if ref_lps is not None else None))
+            lr = learning_rate(cfg.train, it)
+            self.policy.set_lr(lr)
             ppo = self.policy.train(train_samples, seed=cfg.train.seed * 31 + it)
 
         # 7. weight sync to the rollout engine
@@ -544,6 +596,7 @@ class Trainer:
             "ppo/entropy": ppo.get("entropy"),
             "ppo/loss": ppo.get("loss"),
             "ppo/grad_norm": ppo.get("grad_norm"),
+            "train/lr": lr,
             "rollout/logprob_mismatch": float(((eng - old).abs() * mask).sum() / ntok),
             "perf/tokens_per_s": sum(len(t) for t, _ in orig) / elapsed,
             "scoring/tokens": getattr(self.scorer, "last_tokens", 0),
@@ -573,7 +626,7 @@ class Trainer:
         return self.analyzer.submit(views, iteration=it) if isinstance(self.analyzer, LLMAnalyzer) \
             else self.analyzer.submit(views)
 
-    def _collect(self, job, views, it) -> list:
+    def _collect(self, job, views, it, count_failures: bool = True) -> list:
         if job is None:
             return [None] * len(views)
         try:
@@ -590,21 +643,38 @@ class Trainer:
                 self.audit.log_analysis(iteration=it, traj_id=v.traj_id, task=v.task, won=v.won, prompt=None,
                                         raw_reply=None, analysis=a, failure=None if a else "no analysis",
                                         analyzer=type(self.analyzer).__name__)
-        self.analysis_failures += sum(a is None for a in analyses)
+        if count_failures:
+            self.analysis_failures += sum(a is None for a in analyses)
         return analyses
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, it: int) -> dict:
+        """Held-out tasks, one episode each, WITHOUT skills (OPID.md §9). With eval.with_skills (always for
+        skill_grpo) each eval task is then played once more WITH an episode skill of its own: eval tasks are never
+        analysed during training, so the analyzer analyses the task's no-skill eval trajectory just played and
+        that analysis' episode skill is put into the second episode's prompts (a task whose analysis failed, or
+        with no analyzer, is replayed without a skill). No task ever gets another task's skill."""
         cfg, seed = self.cfg, self.cfg.train.seed * 100_003 + 77_777 + it
         trajs = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed).trajectories
         out = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs)}
-        if (cfg.eval.with_skills or cfg.algo.mode == "skill_grpo") and self.skill_bank:
-            generic = next(reversed(self.skill_bank.values()))
-            batch = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed,
-                         skills=[self.skill_bank.get(str(t.id), generic) for t in self.eval_tasks])
+        if (cfg.eval.with_skills or cfg.algo.mode == "skill_grpo") and self.analyzer is not None:
+            skills = self.eval_skills(trajs, it)
+            batch = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed, skills=skills)
             audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
             out["eval/success_rate_with_skills"] = mean(t.won for t in batch.trajectories)
         return out
+
+    def eval_skills(self, trajs: list, it: int) -> list:
+        """One optional episode skill per eval trajectory: the analyzer's analysis of that very trajectory (eval
+        analyses are audited, not counted in analysis/failures_total)."""
+        keep = [i for i, t in enumerate(trajs) if t.steps and not t.env_error]
+        views = [trajs[i].to_view(f"eval{it}/{trajs[i].task_id}/{i}") for i in keep]
+        analyses = self._collect(self._submit(views, it), views, it, count_failures=False) if views else []
+        skills: list = [None] * len(trajs)
+        for i, an in zip(keep, analyses):
+            if an is not None and an.episode_skill.strip():
+                skills[i] = an.episode_skill
+        return skills
 
     def encode_text(self, text: str) -> list:
         """Token ids of a prompt piece (a skill section), tokenized like the rollout prompts' pieces."""

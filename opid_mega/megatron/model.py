@@ -97,6 +97,11 @@ def transformer_config(hf, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         variable_seq_lengths=not (vpp and vpp > 1), moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True, init_method_std=getattr(hf, "initializer_range", 0.02),
     )
+    import dataclasses
+
+    if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        # megatron-core's own default ("full") triggers its own deprecation warning; [] means the same (no graphs)
+        kw["cuda_graph_scope"] = []
     kw.update(overrides)
     if kw.get("sequence_parallel"):
         raise ValueError("sequence_parallel is not supported by the OPID log-prob path yet")
@@ -121,10 +126,12 @@ class OpidGPTModel(GPTModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, *,
                 layout: Optional[PackedLayout] = None, score_rows: Optional[torch.Tensor] = None,
-                score_targets: Optional[torch.Tensor] = None, return_entropy: bool = False, **unused):
+                score_targets: Optional[torch.Tensor] = None, return_entropy: bool = False, temperature: float = 1.0,
+                **unused):
         """input_ids, position_ids: [B, S]. Non-last stages return hidden states [S, B, H]; the last stage returns
         ``[1 or 2, n]`` (log-probs, and entropy when asked) of ``score_targets`` [n] at rows ``score_rows`` [n]
-        (flat indices into the [B*S] tokens, batch-major), or the final hidden states when no rows are given."""
+        (flat indices into the [B*S] tokens, batch-major), or the final hidden states when no rows are given.
+        ``temperature``: log-probs and entropy of softmax(logits / temperature) (the sampling temperature)."""
         bad = input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size)
         if self.pre_process and bad:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(input_ids.min())}, "
@@ -136,13 +143,13 @@ class OpidGPTModel(GPTModel):
             hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary)
         if not self.post_process or score_rows is None:
             return hidden
-        return self.score(hidden, score_rows, score_targets, return_entropy)
+        return self.score(hidden, score_rows, score_targets, return_entropy, temperature)
 
     def output_weight(self) -> torch.Tensor:
         return self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else self.output_layer.weight
 
-    def score(self, hidden, rows, targets, return_entropy=False):
+    def score(self, hidden, rows, targets, return_entropy=False, temperature: float = 1.0):
         from opid_mega.kernels.logprob import fused_logprobs
 
         if rows.numel() == 0:  # nothing to score: keep the graph connected for the pipeline backward
@@ -153,7 +160,7 @@ class OpidGPTModel(GPTModel):
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         out = fused_logprobs(h, w, targets, vocab_start=tp_rank * w.shape[0],
                              tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
-                             return_entropy=return_entropy)
+                             return_entropy=return_entropy, temperature=temperature)
         return torch.stack(out) if return_entropy else out[None]
 
 

@@ -12,30 +12,41 @@ template is applied with add_generation_prompt=True (and enable_thinking=False w
 Qwen3 with thinking off). The ids are made in three pieces split at the skill insertion points (PromptTokenizer), so
 the fork scorer can insert a separately tokenized skill section without changing any other token.
 
-Failure handling: a response that cannot be parsed is an invalid step (the env gets its no-op action, the step is
-flagged `valid=False`); an env that raises (creation, reset, prompt, step) ends only its trajectory, with
-`Trajectory.error` and `Trajectory.env_error` set; a prompt longer than `max_prompt_tokens` also ends its trajectory
-(error says so, env_error stays False). Engine errors (dead server...) are not env problems and propagate.
+Failure handling: a response is projected by the reference's rules (`env.project_action`: the extracted action, or
+None, and a validity flag); an invalid response is flagged `valid=False` (the trainer penalises it) and the env gets
+the extracted action, or its no-op when there is none (which reveals nothing: opid_mega.envs.base). Any string the
+policy writes is such a step, never an error. An env that raises (creation, reset, prompt, step) ends only its
+trajectory, with `Trajectory.error` and `Trajectory.env_error` set (logged; the trainer counts them in
+rollout/env_errors); so does a step that runs past `step_timeout_s` (EnvTimeout: the env is discarded without
+waiting for it — a process env's worker is killed — and a fresh one is built for the next run).
+A prompt longer than `max_prompt_tokens` is LEFT-truncated as in the reference (its last max_prompt_tokens token
+ids are kept, the skill insertion points shift with them; `prompt_text` stays the whole text); it never ends the
+trajectory.
+Engine errors (dead server...) are not env problems and propagate.
 
 Sampling seeds: when `sampling.seed` is set, step k of a run samples with `step_seed(sampling.seed, k)`, a distinct
 seed per step that depends only on (seed, k): a run (and a resumed run) is reproducible step by step.
 
-History: the (observation, action) pairs shown to the policy hold the action the env executed — the parsed action,
-or the no-op for an invalid step.
+History: the (observation, action) pairs shown to the policy hold the action the env executed — the extracted
+action, or the no-op (the empty string) when the response had none.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
+from opid_mega.envs.base import EnvTimeout, step_with_timeout
 from opid_mega.rollout.engine import RolloutEngine, SamplingParams
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 
 _SENTINEL = "\ue000OPID_USER_MESSAGE\ue000"
+log = logging.getLogger(__name__)
 
 
 def split_prompt(prompt: str) -> tuple[str, str, str]:
@@ -119,6 +130,17 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _project(env, response_text: str) -> tuple[Optional[str], bool]:
+    """(action to execute or None, valid): `env.project_action` (the reference's rules), or for an env object
+    without it, `env.parse_action` (None = invalid)."""
+    project = getattr(env, "project_action", None)
+    if callable(project):
+        action, valid = project(response_text)
+        return action, bool(valid)
+    action = env.parse_action(response_text)
+    return action, action is not None
+
+
 class _Live:
     """Per-trajectory loop state."""
 
@@ -139,7 +161,8 @@ class AgentLoop:
                  env_options: Optional[dict] = None, env_factory: Optional[Callable[[], object]] = None, *,
                  history_length: int = 5, max_steps: Optional[int] = None, num_workers: int = 8,
                  max_prompt_tokens: Optional[int] = None, enable_thinking: bool = False,
-                 stop_token_ids: Optional[Sequence[int]] = None, model_path: Optional[str] = None):
+                 stop_token_ids: Optional[Sequence[int]] = None, model_path: Optional[str] = None,
+                 step_timeout_s: Optional[float] = None):
         if (env_name is None) == (env_factory is None):
             raise ValueError("AgentLoop needs exactly one of env_name (make_env) or env_factory")
         if env_factory is None:
@@ -155,20 +178,32 @@ class AgentLoop:
         self.max_steps = max_steps
         self.num_workers = max(1, int(num_workers))
         self.max_prompt_tokens = max_prompt_tokens
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 (or None: no limit), got {step_timeout_s!r}")
+        self.step_timeout_s = step_timeout_s
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else default_stop_token_ids(
             tokenizer, model_path)
         self._envs: list = []
         self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="opid-env")
 
     # ---- env pool -----------------------------------------------------------------------------------------------
-    def _drop_env(self, k: int) -> None:
-        """Forget the env of slot k after it raised (the next run builds a fresh one)."""
+    def _drop_env(self, k: int, wait: bool = True) -> None:
+        """Forget the env of slot k after it raised (the next run builds a fresh one). wait=False closes it in a
+        daemon thread: after a timeout its step may still be running (and holding its locks)."""
         env, self._envs[k] = self._envs[k], None
-        if env is not None:
+        if env is None:
+            return
+
+        def close():
             try:
                 env.close()
             except Exception:  # noqa: BLE001 - closing a broken env is best effort
                 pass
+
+        if wait:
+            close()
+        else:
+            threading.Thread(target=close, daemon=True, name="opid-env-close").start()
 
     def close(self) -> None:
         for env in self._envs:
@@ -220,6 +255,7 @@ class AgentLoop:
                 lv.traj.error = f"reset: {_error_text(e)}"
                 lv.traj.env_error = True
                 lv.done = True
+                log.warning("env error, trajectory %d (task %s) ended: %s", k, lv.traj.task_id, lv.traj.error)
                 self._drop_env(k)
 
         list(self._pool.map(reset, range(n)))
@@ -247,10 +283,10 @@ class AgentLoop:
                     self._drop_env(lv.traj.traj_id)
                     continue
                 if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-                    lv.traj.error = (f"prompt of {len(ids)} tokens exceeds max_prompt_tokens="
-                                     f"{self.max_prompt_tokens} at step {step}")
-                    lv.done = True
-                    continue
+                    # left-truncated as in the reference: keep the last max_prompt_tokens tokens; the skill
+                    # insertion points move with the kept tokens (one that was cut off goes to the start)
+                    cut = len(ids) - self.max_prompt_tokens
+                    ids, ep, st = ids[cut:], max(0, ep - cut), max(0, st - cut)
                 prompts.append((lv, text, ids, ep, st))
             if not prompts:
                 break
@@ -266,19 +302,22 @@ class AgentLoop:
             def do_step(i: int):
                 env = prompts[i][0].env
                 try:
-                    action = env.parse_action(decoded[i])
-                    return action, env.step(env.noop_action if action is None else action), None
+                    action, valid = _project(env, decoded[i])
+                    executed = env.noop_action if action is None else action
+                    return action, valid, step_with_timeout(env, executed, self.step_timeout_s), None
                 except Exception as e:  # noqa: BLE001
-                    return None, None, e
+                    return None, False, None, e
 
             outcomes = list(self._pool.map(do_step, range(len(prompts))))
-            for (lv, text, ids, ep, st), res, response_text, (action, out, err) in zip(
+            for (lv, text, ids, ep, st), res, response_text, (action, valid, out, err) in zip(
                     prompts, results, decoded, outcomes):
                 if err is not None:
                     lv.traj.error = f"step {step}: {_error_text(err)}"
                     lv.traj.env_error = True
                     lv.done = True
-                    self._drop_env(lv.traj.traj_id)
+                    log.warning("env error, trajectory %d (task %s) ended: %s", lv.traj.traj_id, lv.traj.task_id,
+                                lv.traj.error)
+                    self._drop_env(lv.traj.traj_id, wait=not isinstance(err, EnvTimeout))
                     continue
                 obs, reward, done, info = out
                 executed = lv.env.noop_action if action is None else action
@@ -287,7 +326,7 @@ class AgentLoop:
                     prompt_text=text, prompt_ids=ids, episode_insert_at=ep, step_insert_at=st,
                     response_ids=list(res.response_ids), response_logprobs=[float(x) for x in res.logprobs],
                     response_text=response_text, finish_reason=res.finish_reason, action=action,
-                    valid=action is not None, raw_obs=lv.raw, reward=float(reward), done=bool(done),
+                    valid=bool(valid), raw_obs=lv.raw, reward=float(reward), done=bool(done),
                     env_invalid=bool(info.get("invalid", False)) if action is not None else False,
                     rollout_skill=lv.traj.rollout_skill)
                 lv.traj.steps.append(sample)

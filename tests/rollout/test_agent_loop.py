@@ -1,6 +1,7 @@
 """The agent loop on real environments: scripted (walkthrough) and tiny-model policies, failure isolation, and the
 three-piece prompt tokenization the fork scorer relies on."""
 import threading
+import time
 
 import pytest
 import torch
@@ -44,9 +45,12 @@ def test_prompt_pieces_allow_skill_insertion(qwen_tokenizer, sqa):
         assert with_skill == ids[:at] + section + ids[at:]  # every other token identical
     late, _, _ = pt.encode(inject_skill(prompt, SKILL, "episode", "late"))
     assert late == ids[:st] + pt.encode_text(render_skill_section(SKILL, "episode")) + ids[st:]
-    # Without the closing anchor the step insertion point is the end of the user message.
+    # Without the closing anchor the step insertion point is the end of the user message; without a task line the
+    # episode point falls back to the step point (the reference's rule).
     ids2, ep2, st2 = pt.encode("Task line\nobservation only\n")
-    assert ids2[st2:] == pt.encode_text(pt.template_tail) and ep2 < st2
+    assert ids2[st2:] == pt.encode_text(pt.template_tail) and ep2 == st2
+    ids3, ep3, st3 = pt.encode("Your task is to: find the coin\nobservation only\n")
+    assert ids3[st3:] == pt.encode_text(pt.template_tail) and ep3 < st3
 
 
 def test_stop_ids_cover_the_chat_end_tokens(qwen_tokenizer, tiny_qwen3):
@@ -191,3 +195,100 @@ def test_walkthrough_rollout_on_textworld(qwen_tokenizer, tmp_path):
     assert all(not t.steps[1].valid and t.num_invalid == 1 for t in batch.trajectories)
     assert all(t.steps[1].prompt_text.startswith("You are an expert agent playing a TextWorld")
                for t in batch.trajectories)
+
+
+# ---- invalid actions and env faults (OPID.md "Reference rules in detail" -> "Invalid actions") ------------------
+GARBAGE = ["", "\x00\x01\x02", "x" * 10_000, "a" + "é" * 150, "中文动作" * 60, "🙂" * 60, "\n\n\n", "\t\x1b[2J",
+           "<action>\x00\x01\x02</action>", "<think>t</think><action>" + "é" * 300 + "</action>",
+           "<think>t</think><action>restore</action>", "<search></search><search>", "search[\x00]"]
+
+
+def test_garbage_responses_are_invalid_steps_not_env_errors(qwen_tokenizer, tmp_path):
+    """Any string the policy writes is a penalised step (or a valid one): no trajectory is dropped or ends as an
+    env error, every step counts toward max_steps. ALFWorld (generated games): nothing reaches the game."""
+    options = dict(source="generated", cache_dir=str(tmp_path), pool_size=4, max_steps=len(GARBAGE))
+    env = make_env("alfworld", **options)
+    tasks = env.tasks("train", 2, seed=0)
+    calls = []
+
+    def respond(chat_text):
+        calls.append(1)
+        return GARBAGE[(len(calls) - 1) // 4 % len(GARBAGE)]  # 4 trajectories: one garbage string per step
+
+    loop = AgentLoop(ScriptedEngine(qwen_tokenizer, respond), qwen_tokenizer, env_name="alfworld", env_options=options,
+                     history_length=5, num_workers=4, step_timeout_s=30.0)
+    batch = loop.run(tasks, group_size=2, sampling=_sampling(loop, max_new_tokens=4096))
+    loop.close()
+    for t in batch.trajectories:
+        assert t.error is None and not t.env_error and not t.won and t.length == len(GARBAGE)
+        # valid only with both action tags and both think tags and no Chinese character: the reference's rule
+        assert [s.valid for s in t.steps] == [False] * 9 + [True, True, False, False]
+        # no action tag -> the no-op; an extracted action that is not admissible: both "Nothing happens."
+        assert all(s.raw_obs == "Nothing happens." for s in t.steps[1:])
+        assert "Your task is to:" in t.steps[0].raw_obs
+        assert [s.action for s in t.steps[8:11]] == ["\x00\x01\x02", "é" * 300, "restore"]  # extracted
+        assert all(s.env_invalid for s in t.steps if s.action is not None)
+    assert batch.metrics()["num_failed"] == 0
+
+
+def test_reference_validity_is_recorded_and_the_extracted_action_runs(qwen_tokenizer, sqa):
+    """Search: duplicate blocks are invalid (penalised) but the first block is still executed, as the reference
+    does; a response without a block gets the fixed feedback; a clean one is valid."""
+    env, tasks = sqa
+    responses = iter(["<search>capital</search><search>Paris</search>", "I do not know",
+                      "<think>t</think><answer>x</answer>"])
+    loop = AgentLoop(ScriptedEngine(qwen_tokenizer, lambda _: next(responses)), qwen_tokenizer,
+                     env_name="search_qa", history_length=4, num_workers=1)
+    batch = loop.run(tasks[:1], group_size=1, sampling=_sampling(loop, max_new_tokens=128))
+    loop.close()
+    s0, s1, s2 = batch.trajectories[0].steps
+    assert (s0.action, s0.valid, s0.env_invalid) == ("<search>capital</search>", False, False)
+    assert s1.raw_obs.startswith("<information>")  # the search ran
+    assert (s1.action, s1.valid) == (None, False)
+    assert s2.raw_obs.startswith("My previous action is invalid")
+    assert (s2.action, s2.valid, s2.done) == ("<answer>x</answer>", True, True)
+    assert batch.trajectories[0].num_invalid == 2
+
+
+class _HangingSearchQA(SearchQAEnv):
+    def _step(self, action):
+        time.sleep(5)  # a simulator stuck past env.step_timeout_s
+        return super()._step(action)
+
+
+def test_a_step_past_the_time_limit_ends_only_its_trajectory(qwen_tokenizer, sqa):
+    env, tasks = sqa
+    lock, made = threading.Lock(), []
+
+    def factory():
+        with lock:
+            made.append(1)
+            return _HangingSearchQA() if len(made) == 1 else SearchQAEnv()
+
+    loop = AgentLoop(ScriptedEngine(qwen_tokenizer, WalkthroughPolicy(env, tasks)), qwen_tokenizer,
+                     env_factory=factory, history_length=4, num_workers=4, step_timeout_s=0.5)
+    t0 = time.monotonic()
+    batch = loop.run(tasks[:2], group_size=2, sampling=_sampling(loop, max_new_tokens=128))
+    assert time.monotonic() - t0 < 4.5  # the loop moved on: it did not wait for the stuck step
+    failed = [t for t in batch.trajectories if t.failed]
+    assert len(failed) == 1 and failed[0].env_error and failed[0].length == 0
+    assert failed[0].error.startswith("step 0: EnvTimeout: search_qa: step(") and "0.5 s" in failed[0].error
+    assert all(t.won for t in batch.trajectories if not t.failed)
+    again = loop.run(tasks[:2], group_size=2, sampling=_sampling(loop, max_new_tokens=128))  # a fresh env
+    loop.close()
+    assert all(t.won and not t.failed for t in again.trajectories)
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        AgentLoop(ScriptedEngine(qwen_tokenizer, str), qwen_tokenizer, env_name="search_qa", step_timeout_s=0)
+
+
+def test_env_step_timeout_config_reaches_the_loop(qwen_tokenizer):
+    from opid_mega.config import ConfigError, load_config
+    from opid_mega.trainer import build_agent_loop
+
+    assert load_config().env.step_timeout_s == 60.0
+    cfg = load_config(overrides=["env.name=search_qa", "env.step_timeout_s=2.5"])
+    loop = build_agent_loop(cfg, ScriptedEngine(qwen_tokenizer, str), qwen_tokenizer, None)
+    assert loop.step_timeout_s == 2.5
+    loop.close()
+    with pytest.raises(ConfigError, match="env.step_timeout_s"):
+        load_config(overrides=["env.step_timeout_s=0"])
