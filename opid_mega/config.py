@@ -179,10 +179,10 @@ class SftConfig:
     mini_batch_size: int = 64  # step-samples per optimizer step
     # The <think> text of every target response; `{action}` is replaced by the expert action.
     think: str = "I will {action}."
-    # Share of the expert step-samples whose prompt carries a skill section: the RuleAnalyzer's analysis of that
-    # expert trajectory, routed critical-first (step skill at its critical steps, else the episode skill), placed
-    # faithful or late at random (seeded), so the warm start learns that sections are informative. 0: no sections
-    # (and no change to the warm start's cache key).
+    # Share of the expert step-samples that appear a second time with a skill section in the prompt (same target):
+    # the RuleAnalyzer's analysis of that expert trajectory, routed critical-first (step skill at its critical steps,
+    # else the episode skill), placed faithful or late at random (seeded), so the warm start learns that sections
+    # are informative. 0: no sections (and no change to the warm start's cache key).
     skill_share: float = 0.0
 
 

@@ -5,8 +5,9 @@ becomes a step-sample with the same prompt the rollout builds (same template, hi
 target response `<think>...</think>\n<action>A</action><|im_end|>`. The prompts are tokenized by the rollout's
 PromptTokenizer with the same `model.enable_thinking` chat-template switch. Settings: the config's `sft` section
 (epochs, lr, mini_batch_size, think, skill_share), overridable by opid-sft's flags. With `sft.skill_share > 0` that
-share of the prompts carries a skill section the rule analyzer wrote from the expert trajectory itself (routed
-critical-first, faithful or late placement), so the model learns that sections are informative. The loss is the token-mean NLL of the response
+share of the step-samples appears a second time with a skill section the rule analyzer wrote from the expert
+trajectory itself (routed critical-first, faithful or late placement), so the model learns that sections are
+informative. The loss is the token-mean NLL of the response
 tokens (a plain megatron loss_func in the same forward_step / schedule as PPO). The result is an HF directory usable
 as `model.init_from`; it is cached under `<model.cache_dir>/sft-<hash of its inputs>`, so a config with
 `model.init_from: sft` builds it once.
@@ -96,9 +97,11 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
                         skill_share: Optional[float] = None) -> list:
     """[(prompt_ids, response_ids)] from playing the expert walkthrough of every task in the split's pool.
 
-    `skill_share` (default sft.skill_share): the share of step-samples whose prompt carries the skill section
-    `expert_skill_routes` gives that step, inserted with the faithful or the late placement (a seeded coin flip per
-    sample, so the warm start reads sections in both places); the target response is the expert's either way."""
+    `skill_share` (default sft.skill_share): the share of step-samples that also appear a second time, right after
+    themselves, with a prompt that carries the skill section `expert_skill_routes` gives that step, inserted with the
+    faithful or the late placement (a seeded coin flip per sample, so the warm start reads sections in both places).
+    The target response is the expert's in both copies: every no-skill sample stays, and a pair differs only by the
+    section, whose information the model can then learn to use."""
     import random
 
     from opid_mega.rollout.agent_loop import PromptTokenizer
@@ -114,10 +117,10 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
     for ep in expert_episodes(cfg, think, split):
         routes = expert_skill_routes(cfg, ep) if share > 0 else [{} for _ in ep["prompts"]]
         for prompt, response, route in zip(ep["prompts"], ep["responses"], routes):
-            if share > 0 and rng.random() < share:
-                prompt = inject_skills(prompt, route, rng.choice(sorted(PLACEMENTS)))
-            ids, _, _ = prompts.encode(prompt)
-            out.append((ids, prompts.encode_text(response) + [end]))
+            resp = prompts.encode_text(response) + [end]
+            out.append((prompts.encode(prompt)[0], resp))
+            if share > 0 and route and rng.random() < share:
+                out.append((prompts.encode(inject_skills(prompt, route, rng.choice(sorted(PLACEMENTS))))[0], resp))
     return out
 
 

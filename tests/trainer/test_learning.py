@@ -1,0 +1,59 @@
+"""The RL loop learns: a few GRPO iterations on the easiest offline tasks (TextWorld coin_collector, easy level) make
+the policy measurably better on HELD-OUT games than its warm start, at a fixed seed.
+
+The warm start is deliberately weak (36 supervised steps on the walkthroughs of 16 training games, cached under
+model.cache_dir like every `model.init_from: sft`): at the rollout temperature (1.0) most of its answers still break
+the reference's answer format (missing <think>/<action> tags: an invalid action, penalised by the outcome score
+S = R − 0.1·1[invalid]). GRPO's group-normalised advantages push the format, and that carries over to games it never
+saw: the invalid-action rate of the sampling policy (temperature 1.0, as trained) on 16 held-out games, 2 episodes
+each, measured by `opid-eval` with the same seeds before and after, must fall (measured: 0.75 -> 0.575). If
+advantages, the PPO update, the weight sync to the rollout engine or checkpointing break, it stays where the warm
+start left it. Not used as the criterion, measured while choosing it: at the evaluation temperature 0.4 this warm
+start is already valid 97% of the time and wins 3 of 32 episodes (2 after GRPO); from the experiment's strong warm
+start (0.75 held-out success) held-out success after 8 GRPO iterations moved by -0.03 and +0.14 in two calibration
+runs, within the noise of 64 games. Deterministic: one thread (OMP_NUM_THREADS=1) and fixed seeds for the task
+draws, sampling and mini-batch order.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "experiment_cpu.yaml")
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+ITERATIONS = 6
+COMMON = [
+    "env.options.pool_size.train=16", "env.options.pool_size.test=16", "model.init_from=sft", "sft.epochs=6",
+    "sft.mini_batch_size=8", "sft.skill_share=0.0", "train.seed=1", "eval.num_tasks=16", "logging.progress=false",
+    "logging.tensorboard=false",
+]
+GRPO = ["algo.mode=grpo", f"train.iterations={ITERATIONS}", "eval.interval=0", f"train.save_interval={ITERATIONS}",
+        "train.keep_checkpoints=1"]
+
+
+def _cli(args, timeout):
+    r = subprocess.run([sys.executable, "-c", "import sys; import opid_mega.cli as c; sys.exit(c." + args[0] + "())",
+                        *args[1:]], env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def _held_out(extra):
+    out = _cli(["eval_main", "--config", CONFIG, "--group-size", "2", *extra, *COMMON, "eval.temperature=1.0"],
+               timeout=900)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_grpo_makes_the_policy_better_on_held_out_games(tmp_path):
+    run = tmp_path / "run"
+    before = _held_out([])  # builds (or finds) the cached warm start
+    _cli(["train_main", "--config", CONFIG, "--run-dir", str(run), *COMMON, *GRPO], timeout=1800)
+    after = _held_out(["--checkpoint", str(run)])
+    assert before["episodes"] == after["episodes"] == 32 and after["failed_episodes"] == 0
+    assert before["eval/invalid_rate"] >= 0.5, f"the warm start is not weak enough to learn from: {before}"
+    assert after["eval/invalid_rate"] <= before["eval/invalid_rate"] - 0.1, (before, after)
