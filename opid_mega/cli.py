@@ -200,7 +200,7 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     hf_dir = args.model or resolve_init(cfg)
     engine = build_engine(cfg, hf_dir)
     if args.checkpoint:
-        from opid_mega.trainer import Policy
+        from opid_mega.megatron.policy import Policy
 
         policy = Policy(cfg, hf_dir)
         step, _ = policy.load(str(Path(args.checkpoint) / "checkpoints"))

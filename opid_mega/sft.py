@@ -45,10 +45,10 @@ def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[st
     (the target response text of each step) and `view` (the analyzer's TrajectoryView of the expert episode)."""
     from opid_mega.envs import format_response
     from opid_mega.skills.types import StepView, TrajectoryView
-    from opid_mega.trainer import env_factory
+    from opid_mega.envs import env_factory
 
     think = cfg.sft.think if think is None else think
-    env = env_factory(cfg)()
+    env = env_factory(cfg.env)()
     pool = env.task_pool(split or cfg.env.train_split) if hasattr(env, "task_pool") else \
         env.tasks(split or cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed)
     out = []
@@ -179,7 +179,7 @@ def run_sft(cfg: Config, out_dir: Optional[str] = None, log=print, **overrides) 
     """Train the warm start and save it as an HF directory (cached: returns at once when it exists)."""
     from opid_mega.models import load_tokenizer, resolve_model_path
     from opid_mega.megatron.logprobs import Sample
-    from opid_mega.trainer import Policy
+    from opid_mega.megatron.policy import Policy
 
     opts = {**dataclasses.asdict(cfg.sft), **{k: v for k, v in overrides.items() if v is not None}}
     base = resolve_model_path(cfg.model.path, cfg.model.builtin, cfg.model.cache_dir)

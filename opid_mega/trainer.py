@@ -22,7 +22,6 @@ the uninterrupted one.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -84,161 +83,14 @@ def audit_rollout_skills(audit, batch, it: int, placement: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Megatron policy
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class Policy:
-    """Megatron model chunks + DDP + optimizer + frozen reference copy, built from an HF directory."""
-
-    def __init__(self, cfg: Config, hf_dir: str):
-        from transformers import AutoConfig
-
-        from opid_mega.megatron import parallel, weights
-        from opid_mega.megatron.model import build_model, transformer_config
-        from opid_mega.megatron.train_step import LossConfig, ReferenceWeights, build_optimizer, wrap_ddp
-        from opid_mega.models import torch_dtype
-
-        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, seed=cfg.train.seed)
-        self.cfg, self.hf_dir = cfg, hf_dir
-        self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        tcfg = transformer_config(self.hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp,
-                                  dtype=torch_dtype(cfg.model.dtype))
-        self.chunks = build_model(self.hf_config, tcfg)
-        weights.load_hf_weights(self.chunks, self.hf_config, hf_dir)
-        self.reference = ReferenceWeights(self.chunks) if cfg.train.use_reference and cfg.algo.kl_coef > 0 else None
-        self.ddp = wrap_ddp(self.chunks, tcfg)
-        t = cfg.train
-        self.optimizer = build_optimizer(self.ddp, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
-                                         betas=(t.adam_beta1, t.adam_beta2))
-        a = cfg.algo
-        self.loss_cfg = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                                   kl_coef=a.kl_coef if self.reference else 0.0, kl_kind=a.kl_kind,
-                                   entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
-                                   temperature=cfg.rollout.temperature)  # new log-probs at the sampling T
-
-    @staticmethod
-    def dp_map(fn, items: list) -> list:
-        """fn(items) computed data-parallel: each DP rank runs fn on its strided share (dp_shard) and the results are
-        all-gathered back into item order on every rank. fn maps a list to one result per item."""
-        from megatron.core import parallel_state as ps
-
-        n = ps.get_data_parallel_world_size()
-        if n == 1 or len(items) < n:  # every rank needs a share (pipeline schedules run on all stages)
-            return fn(items)
-        mine = list(range(ps.get_data_parallel_rank(), len(items), n))
-        part = [r.cpu() if torch.is_tensor(r) else r for r in fn([items[i] for i in mine])]
-        shares = [None] * n
-        torch.distributed.all_gather_object(shares, list(zip(mine, part)), group=ps.get_data_parallel_group())
-        out = [None] * len(items)
-        for share in shares:
-            for i, r in share:
-                out[i] = r
-        return out
-
-    def logprobs(self, seqs: list, temperature: Optional[float] = None) -> list:
-        """NaiveScorer's logprob_fn: [(tokens, score_from)] -> float32 log-probs of tokens[score_from:] under
-        softmax(logits / temperature); None: the rollout's sampling temperature (rollout.temperature)."""
-        from opid_mega.megatron.logprobs import Sample, compute_logprobs
-
-        temp = self.cfg.rollout.temperature if temperature is None else temperature
-        return self.dp_map(lambda part: compute_logprobs(self.chunks, [Sample(t, s) for t, s in part],
-                                                         temperature=temp,
-                                                         max_tokens=self.cfg.train.micro_batch_tokens), seqs)
-
-    def packed_logprobs(self, mbs: list, temperature: Optional[float] = None) -> list:
-        """ForkScorer's packed_logprob_fn: fork-layout micro-batches -> one float32 tensor per micro-batch."""
-        from opid_mega.megatron.logprobs import PackedBatch, compute_logprobs
-
-        batches = [PackedBatch.from_micro_batch(mb) for mb in mbs]
-        temp = self.cfg.rollout.temperature if temperature is None else temperature
-        return self.dp_map(lambda part: compute_logprobs(self.chunks, [], batches=part, temperature=temp), batches)
-
-    def set_lr(self, lr: float) -> None:
-        """The learning rate of the next optimizer steps, on every parameter group (what megatron's own
-        OptimizerParamScheduler does; `learning_rate` gives the value per iteration)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def reference_logprobs(self, seqs: list) -> list:
-        with self.reference.swapped_in(self.chunks):
-            return self.logprobs(seqs)
-
-    def train(self, samples: list, seed: int) -> dict:
-        """train.ppo_epochs epochs over `samples` in mini-batches of train.mini_batch_size step-samples (one optimizer
-        step each); each data-parallel rank trains on its share of every mini-batch (dp_shard), gradients are
-        averaged by Megatron's DDP."""
-        from opid_mega.megatron.train_step import dp_shard, train_mini_batch
-
-        order = list(range(len(samples)))
-        rng = random.Random(seed)
-        sums: dict = {}
-        first_kl = None
-        n = 0
-        for _ in range(self.cfg.train.ppo_epochs):
-            rng.shuffle(order)
-            mb = self.cfg.train.mini_batch_size
-            for start in range(0, len(order), mb):
-                part = dp_shard([samples[i] for i in order[start:start + mb]])  # this data-parallel rank's share
-                m = train_mini_batch(self.ddp, self.optimizer, part, self.cfg.train.micro_batch_tokens, self.loss_cfg)
-                if first_kl is None:
-                    first_kl = m.get("approx_kl", float("nan"))
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n += 1
-        out = {k: v / max(n, 1) for k, v in sums.items()}
-        out["approx_kl_first"] = first_kl
-        out["mini_batches"] = n
-        return out
-
-    def export(self):
-        from opid_mega.megatron.weights import export_hf_weights
-
-        for bucket in export_hf_weights(self.chunks, self.hf_config):
-            yield from bucket
-
-    def save(self, ckpt_dir: str, step: int, state: dict) -> None:
-        from opid_mega.megatron import checkpoint
-
-        checkpoint.save(ckpt_dir, step, self.chunks, self.optimizer, extra={"trainer_state": json.dumps(state)},
-                        keep=self.cfg.train.keep_checkpoints)
-
-    def load(self, ckpt_dir: str) -> tuple[int, dict]:
-        from opid_mega.megatron import checkpoint
-
-        step, extra = checkpoint.load(ckpt_dir, self.chunks, self.optimizer)
-        raw = extra.get("trainer_state") if isinstance(extra, dict) else None
-        return step, json.loads(raw) if raw else {}
-
-    def save_hf(self, out_dir: str) -> None:
-        """The current weights as an HF directory (config + tokenizer copied from the source dir)."""
-        import shutil
-
-        from safetensors.torch import save_file
-
-        from opid_mega.megatron.weights import hf_state_dict
-
-        sd = {k: v.contiguous() for k, v in hf_state_dict(self.chunks, self.hf_config).items()}  # collective
-        if torch.distributed.get_rank() != 0:
-            return
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in Path(self.hf_dir).iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy(f, out / f.name)
-        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Helpers of one iteration
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def env_factory(cfg: Config):
-    from opid_mega.envs import make_env
+    from opid_mega.envs import env_factory as factory
 
-    opts = dict(cfg.env.options)
-    return lambda: make_env(cfg.env.name, max_steps=cfg.env.max_steps, **opts)
+    return factory(cfg.env)
 
 
 def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executable):
@@ -281,7 +133,7 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
 
 
 def build_engine(cfg: Config, hf_dir: str):
-    from opid_mega.rollout.engine import make_engine
+    from opid_mega.rollout.factory import make_engine
 
     if cfg.rollout.engine == "local":
         return make_engine("local", hf_dir, dtype=cfg.model.dtype)
@@ -412,6 +264,8 @@ class Trainer:
         random.seed(cfg.train.seed)
 
         hf_dir = resolve_init(cfg)
+        from opid_mega.megatron.policy import Policy
+
         self.policy = Policy(cfg, hf_dir)  # every rank: Megatron TP/PP/DP
         # Rollout, analysis, evaluation, metrics and the audit log live on global rank 0; the batch is broadcast.
         self.rank0 = torch.distributed.get_rank() == 0

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     from opid_mega.envs import make_env
     from opid_mega.models import BUILTIN_MODELS, load_tokenizer, prepare_model
     from opid_mega.rollout.agent_loop import AgentLoop
-    from opid_mega.rollout.engine import SamplingParams, make_engine
+    from opid_mega.rollout.engine import SamplingParams
+    from opid_mega.rollout.factory import make_engine
 
     defaults = ENV_DEFAULTS[args.env]
     max_steps = args.max_steps or defaults["max_steps"]

@@ -30,6 +30,12 @@ ENV_DEFAULTS = {
 }
 
 
+def env_factory(env_cfg):
+    """A zero-argument callable that builds one env as a config's `env` section says (name, max_steps, options)."""
+    opts = dict(env_cfg.options)
+    return lambda: make_env(env_cfg.name, max_steps=env_cfg.max_steps, **opts)
+
+
 def make_env(name: str, process: bool = False, **options) -> Env:
     """Build one environment instance (one episode at a time). See each backend for its options.
 

@@ -11,7 +11,8 @@
 from opid_mega.rollout.agent_loop import (AgentLoop, PromptTokenizer, default_stop_token_ids, run_rollout,
                                          step_seed)
 from opid_mega.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, GenerationResult,
-                                      RolloutEngine, SamplingParams, make_engine)
+                                      RolloutEngine, SamplingParams)
+from opid_mega.rollout.factory import make_engine
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 
 __all__ = [

@@ -104,17 +104,3 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: Optional[int]
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
         out.append(ids)
     return out
-
-
-def make_engine(kind: str, model_path: str, **options) -> RolloutEngine:
-    """Build a rollout engine: "local" (LocalEngine(model_path, **options)) or "sglang"
-    (SGLangEngine(model_path, **options): launches a server, or attaches with url=...)."""
-    if kind == "local":
-        from opid_mega.rollout.local_engine import LocalEngine
-
-        return LocalEngine(model_path, **options)
-    if kind == "sglang":
-        from opid_mega.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(model_path, **options)
-    raise ValueError(f"unknown rollout engine {kind!r}; expected 'local' or 'sglang'")

@@ -4,7 +4,8 @@ import torch
 
 from opid_mega.models import load_model
 from opid_mega.rollout.engine import (FINISH_LENGTH, FINISH_STOP, EngineError, GenerationResult, RolloutEngine,
-                                      SamplingParams, make_engine)
+                                      SamplingParams)
+from opid_mega.rollout.factory import make_engine
 from opid_mega.rollout.local_engine import LocalEngine, sample_from_logits
 
 
