@@ -4,11 +4,11 @@
     python tools/experiment.py --preset cpu [--out DIR] [--seeds 1,2,3] [--arms grpo,opid,opid_late] [key=value ...]
 
 Every arm x seed is its own `opid-train` subprocess on the same base config (the preset's YAML file plus its
-overrides), with the same seeds, tasks and budget; arms differ only in `algo.mode` / `algo.placement` (ARMS). The
-runs go one after another, never two torch jobs at once, with OMP_NUM_THREADS unset so each takes every core the
-machine gives it (`--threads N` sets it instead). Steps, each skipped when its output is already complete (so an
-interrupted experiment continues where it stopped; an arm x seed whose run dir lacks any of its metrics is rerun
-from its start):
+overrides), with the same seeds, tasks and budget; arms differ only in `algo.mode` / `algo.placement` / λ
+(ARMS). The runs go one after another, never two torch jobs at once, with OMP_NUM_THREADS unset so each
+takes every core the machine gives it (`--threads N` sets it instead). Steps, each skipped when its output is
+already complete (so an interrupted experiment continues where it stopped; an arm x seed whose run dir lacks any of
+its metrics is rerun from its start):
   1. games      the TextWorld games of the train and held-out pools (2 generator processes; cached on disk)
   2. warm start `opid-sft` once (the `sft` section, skill sections included), cached under model.cache_dir by the
                 hash of its inputs (OUT/warm_start.json names it); every run starts from it
@@ -48,6 +48,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     "opid": ("algo.mode=opid", "algo.placement=faithful"),
     "opid_late": ("algo.mode=opid", "algo.placement=late"),
     "no_routing": ("algo.mode=no_routing", "algo.placement=faithful"),
+    # λ 100x the reference's: added after the first table showed the skill term at ~0.01% of the advantage with
+    # λ = 0.001 (a question about the scale of λ, not a value tuned on success; one value, never varied)
+    "opid_lambda0.1": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1",
+                       "algo.lambda_step=0.1"),
 }
 BASELINE = "grpo"
 
@@ -62,7 +66,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # ~60 min on 2 idle cores (README "Experiment: GRPO vs OPID on CPU" has the measured budget)
-    "cpu": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid", "opid_late")),
+    "cpu": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid", "opid_late", "opid_lambda0.1")),
     # the whole pipeline on a tiny budget (tests): 4 train / 4 held-out games, 2 iterations
     "smoke": Preset("configs/experiment_cpu.yaml", (1,), ("grpo", "opid"), (
         "env.options.pool_size.train=4", "env.options.pool_size.test=4", "env.max_steps=3",
@@ -201,7 +205,7 @@ def markdown_table(agg: dict[str, dict], baseline: str = BASELINE) -> str:
     """The results table (mean ± sample std over seeds)."""
     head = ("| arm | seeds | held-out success, start | final | AUC (mean success over training) | final − "
             f"{baseline} (paired) | AUC − {baseline} (paired) | scoring tokens / iter | scoring s / iter | "
-            "iteration s | skill share of the advantage |")
+            "iteration s | skill share of the advantage (pooled) |")
     lines = [head, "|" + "---|" * 11]
     for arm, row in agg.items():
         tokens = row["scoring_tokens"][0]
@@ -209,7 +213,8 @@ def markdown_table(agg: dict[str, dict], baseline: str = BASELINE) -> str:
             arm, str(len(row["seeds"])), _fmt(row["start"]), _fmt(row["final"]), _fmt(row["auc"]),
             _fmt(row[f"final_vs_{baseline}"], signed=True), _fmt(row[f"auc_vs_{baseline}"], signed=True),
             f"{tokens:,.0f}" if tokens is not None else "–", _fmt(row["scoring_s"], 2), _fmt(row["iteration_s"], 1),
-            _fmt(row["skill_share"], 4)]) + " |")
+            _fmt(row["skill_share_pooled"] if row["skill_share_pooled"][0] is not None else row["skill_share"], 4)])
+            + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -264,12 +269,12 @@ def sanity_lines(agg: dict[str, dict], summaries: dict[str, dict[int, dict]], pr
                              f"{p['match']['response_mean']:+.3f})")
         lines.append(f"warm start Δ on expert-action tokens under the matching skill ({probe['steps']} steps of "
                      f"{probe['episodes']} held-out games, nats/token): " + "; ".join(parts))
-    shares = [f"{arm} {row['skill_share'][0]:.4f}" + (f" (pooled {row['skill_share_pooled'][0]:.4f})"
-                                                      if row["skill_share_pooled"][0] is not None else "")
+    shares = [f"{arm} {row['skill_share_pooled'][0]:.4f} (mean of per-iteration shares {row['skill_share'][0]:.4f})"
+              if row["skill_share_pooled"][0] is not None else f"{arm} {row['skill_share'][0]:.4f} (per iteration)"
               for arm, row in agg.items() if arm != BASELINE and row["skill_share"][0] is not None]
     if shares:
-        lines.append("skill share of the advantage, mean |λΔ| / (|A_out| + |λΔ|) per iteration: "
-                     + ", ".join(shares))
+        lines.append("skill share of the advantage, Σ|λΔ| / (Σ|A_out| + Σ|λΔ|) pooled over iterations: "
+                     + ", ".join(shares) + " (an iteration whose groups all tie has A_out = 0: share 1)")
     return lines
 
 
