@@ -10,12 +10,14 @@ Backend dispatch (every public entry point takes `backend="auto"|"triton"|"torch
   torch  -> the torch path (chunked / per-segment; the CPU production path).
 """
 from ._dispatch import resolve_backend
+from .dual_context_divergence import dual_context_divergence, divergence_reference, naive_divergence
 from .fork_attention import (ForkMetadata, build_fork_metadata, fork_attention, fork_attention_mask,
                              fork_attention_reference)
 from .logprob import fused_logprobs, logprobs_reference, naive_logprobs
 
 __all__ = [
     "fused_logprobs", "logprobs_reference", "naive_logprobs",
+    "dual_context_divergence", "divergence_reference", "naive_divergence",
     "fork_attention", "fork_attention_reference", "fork_attention_mask", "build_fork_metadata", "ForkMetadata",
     "resolve_backend",
 ]

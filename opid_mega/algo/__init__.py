@@ -8,15 +8,19 @@ from opid_mega.algo.advantage import (
     skill_delta,
     step_scores,
 )
+from opid_mega.algo.divergence import DELTA_KINDS, divergence_delta, distill_loss, topk_kl_orig_skill
 from opid_mega.algo.loss import agg_loss, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss
 from opid_mega.algo.routing import EPISODE, SKILL_KINDS, STEP, route_skills
 
 __all__ = [
+    "DELTA_KINDS",
     "EPISODE",
     "STEP",
     "SKILL_KINDS",
     "agg_loss",
     "combine_advantages",
+    "distill_loss",
+    "divergence_delta",
     "entropy_from_logits",
     "kl_penalty",
     "masked_mean",
@@ -25,4 +29,5 @@ __all__ = [
     "route_skills",
     "skill_delta",
     "step_scores",
+    "topk_kl_orig_skill",
 ]

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Benchmark: dual-context divergence head at large vocabulary — naive (two full [N, V] log-softmaxes) vs fused.
+
+Methods (both return log p_s(y), log p_o(y), KL(p_s‖p_o), KL(p_o‖p_s) per row, and the top-k of p_s when asked):
+  naive  opid_mega.kernels.naive_divergence: full [N, V] logits of both contexts, two float32 log_softmaxes, the KLs
+         summed over the vocabulary (autograd backward through the original context).
+  fused  opid_mega.kernels.dual_context_divergence(backend="auto"): the Triton kernel on CUDA; on CPU "auto" is the
+         chunked torch path (one pass over the vocabulary, no [N, V] tensor).
+fwd+bwd cases back-propagate logp_orig + KL(p_s‖p_o) + KL(p_o‖p_s) into h_orig and the weight (the distillation
+term's backward).
+
+Peak memory is measured as in tools/bench_logprob.py (its PeakMeter): extra memory of one call beyond what existed
+before it, minus the gradients every method must return (grad_h_orig and grad_weight). CUDA: max_memory_allocated;
+CPU: peak RSS (VmHWM reset through /proc/self/clear_refs) minus RSS before, with MALLOC_MMAP_THRESHOLD_=65536 so
+freed tensor buffers go back to the OS. Times: median over repeats after one warm-up call (never asserted on).
+
+    python tools/bench_divergence.py --preset ci --json runs/bench_divergence.json
+
+The JSON holds every case under "cases"; its top-level "peak_bytes" {"naive", "fused"}, "seconds" and
+"peak_ratio" are those of the fwd+bwd case (the heaviest).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_logprob import PeakMeter, _reexec_with_mmap_threshold  # noqa: E402  (the same measuring method)
+
+PRESETS = {
+    # (N, H, V, dtype, pass, topk)
+    "ci": [(128, 256, 152064, "float32", "fwd", 0), (128, 256, 152064, "float32", "fwd", 32),
+           (128, 256, 152064, "float32", "fwd+bwd", 0)],
+    "cpu": [(512, 512, 152064, "float32", "fwd", 0), (512, 512, 152064, "float32", "fwd+bwd", 0),
+            (512, 512, 152064, "float32", "fwd", 32)],
+    "tiny": [(16, 32, 3000, "float32", "fwd", 4), (16, 32, 3000, "float32", "fwd+bwd", 0)],  # tests
+    "gpu": [(4096, 3584, 152064, "bfloat16", "fwd", 0), (4096, 3584, 152064, "bfloat16", "fwd+bwd", 0),
+            (4096, 3584, 152064, "bfloat16", "fwd", 32), (4096, 3584, 152064, "float32", "fwd", 0)],
+}
+KEYS = ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill")
+
+
+def run_case(n, h, v, dtype_name, pass_, topk, device, repeats):
+    import torch
+    from opid_mega.kernels import dual_context_divergence, naive_divergence
+    from opid_mega.kernels._dispatch import resolve_backend
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    h_orig = torch.randn(n, h, generator=g)
+    h_skill = (h_orig + 0.5 * torch.randn(n, h, generator=g)).to(dtype).to(device)
+    h_orig = h_orig.to(dtype).to(device)
+    weight = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype).to(device)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    backward = pass_ == "fwd+bwd"
+    grad_bytes = (n * h + v * h) * h_orig.element_size() if backward else 0
+
+    def call(method):
+        ho = h_orig.detach().requires_grad_(backward)
+        w = weight.detach().requires_grad_(backward)
+        fn = naive_divergence if method == "naive" else dual_context_divergence
+        out = fn(h_skill, ho, w, targets, topk=topk)
+        if backward:
+            (out["logp_orig"].sum() + out["kl_skill_orig"].sum() + out["kl_orig_skill"].sum()).backward()
+        return {k: x.detach() for k, x in out.items()}, ho.grad, w.grad
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    case = {"N": n, "H": h, "V": v, "dtype": dtype_name, "pass": pass_, "topk": topk, "device": device.type,
+            "fused_backend": resolve_backend("auto", h_orig, "bench"), "naive_logits_bytes": 2 * n * v * 4,
+            "peak_bytes": {}, "seconds": {}, "max_abs_diff_vs_naive": {}}
+    results = {}
+    for method in ("naive", "fused"):
+        results[method] = call(method)  # warm-up (and kernel compilation)
+        sync()
+        del results[method]
+        with PeakMeter(device) as meter:
+            results[method] = call(method)
+        case["peak_bytes"][method] = max(0, meter.peak - grad_bytes)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            out = call(method)
+            sync()
+            times.append(time.perf_counter() - t0)
+            del out
+        case["seconds"][method] = statistics.median(times)
+    (fo, fgh, fgw), (no, ngh, ngw) = results["fused"], results["naive"]
+    diffs = {k: (fo[k] - no[k]).abs().max().item() for k in KEYS}
+    if topk:
+        diffs["topk_logp_skill"] = (fo["topk_logp_skill"] - no["topk_logp_skill"]).abs().max().item()
+        diffs["topk_ids_equal"] = bool(torch.equal(fo["topk_ids"], no["topk_ids"]))
+    if backward:
+        diffs["grad_h_orig"] = (fgh.float() - ngh.float()).abs().max().item()
+        diffs["grad_weight"] = (fgw.float() - ngw.float()).abs().max().item()
+    case["max_abs_diff_vs_naive"] = diffs
+    case["peak_ratio"] = case["peak_bytes"]["fused"] / max(1, case["peak_bytes"]["naive"])
+    return case
+
+
+def _mb(x):
+    return f"{x / 2**20:.1f}"
+
+
+def print_table(cases):
+    print("| pass | top-k | naive peak MiB | fused peak MiB | fused / naive | naive s | fused s | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in cases:
+        d = max(x for x in c["max_abs_diff_vs_naive"].values() if not isinstance(x, bool))
+        print(f"| {c['pass']} | {c['topk']} | {_mb(c['peak_bytes']['naive'])} | {_mb(c['peak_bytes']['fused'])} | "
+              f"{100 * c['peak_ratio']:.2f}% | {c['seconds']['naive']:.3f} | {c['seconds']['fused']:.3f} | {d:.1e} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="ci (< 1 min on 2 CPU cores), cpu, gpu, tiny (tests); default: gpu on CUDA, cpu otherwise")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (ci preset default: 1)")
+    args = ap.parse_args(argv)
+    _reexec_with_mmap_threshold()
+
+    import torch
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    preset = args.preset or ("gpu" if device.type == "cuda" else "cpu")
+    if args.threads or preset == "ci":
+        torch.set_num_threads(args.threads or 1)
+    repeats = args.repeats or (1 if preset == "ci" else 3)
+    t_start = time.time()
+    cases = [run_case(*spec, device=device, repeats=repeats) for spec in PRESETS[preset]]
+    print(f"device={device} preset={preset} torch={torch.__version__} threads={torch.get_num_threads()} peak memory = "
+          f"{'cuda max_memory_allocated' if device.type == 'cuda' else 'VmHWM - VmRSS (mmap-backed)'}, gradients "
+          f"excluded; wall {time.time() - t_start:.1f} s")
+    print_table(cases)
+    main_case = next((c for c in cases if c["pass"] == "fwd+bwd"), cases[0])
+    result = {"preset": preset, "device": device.type, "torch": torch.__version__,
+              "peak_bytes": dict(main_case["peak_bytes"]), "seconds": dict(main_case["seconds"]),
+              "peak_ratio": main_case["peak_ratio"], "cases": cases}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
