@@ -60,6 +60,12 @@ def filter_dependency_warnings() -> None:
     # megatron-core's notices that it falls back to plain torch without Transformer Engine / Apex (always, on CPU)
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    # megatron-core's distributed optimizer / sequence parallel: torch's deprecation of the collectives megatron calls
+    # (all_gather_into_tensor, reduce_scatter_tensor), and its zero_grad touching the .grad of fp32 shard views
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
+                            category=UserWarning, module=r"megatron\.core")
 
 
 def _quiet() -> None:
@@ -130,6 +136,17 @@ def _load(config: Optional[str], overrides: Sequence[str]):
         raise SystemExit(2)
 
 
+def layout_ok(prog: str, cfg) -> bool:
+    """Check the config's parallel layout against the world size and the model before any rank or process group
+    starts (``opid_mega.megatron.layout``); on a problem print ONE line to stderr (rank 0) and return False."""
+    from opid_mega.megatron.layout import config_layout_error
+
+    msg = config_layout_error(cfg)
+    if msg and os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {msg}", file=sys.stderr)
+    return msg is None
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="opid-train", description="OPID / GRPO training (see configs/README.md)")
     p.add_argument("--config", help="YAML config (configs/<name>.yaml)")
@@ -151,6 +168,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = _load(args.config, args.overrides)
         run_dir = Path(args.run_dir or cfg.logging.run_dir)
     cfg.logging.run_dir = str(run_dir)
+    if not layout_ok("opid-train", cfg):
+        return 2
     if os.environ.get("RANK", "0") == "0":
         print(first_run_notice(cfg), flush=True)
     from opid_mega.trainer import RolloutEngineDied, train
@@ -175,6 +194,8 @@ def sft_main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     _quiet()
     cfg = _load(args.config, args.overrides)
+    if not layout_ok("opid-sft", cfg):
+        return 2
     from opid_mega.megatron import parallel
     from opid_mega.sft import run_sft
 

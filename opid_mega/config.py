@@ -50,8 +50,12 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages per rank (interleaved schedule when > 1)
+    # Megatron sequence parallelism (needs tp > 1): activations outside attention/MLP are split over the TP ranks.
     sequence_parallel: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
+    # Context parallelism: not supported; any value but 1 is rejected (kept so that configs can say so explicitly).
+    cp: int = 1
+    # torch.distributed backend: auto = nccl on a GPU machine, gloo without one (nccl without a GPU is an error).
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
 @dataclass
@@ -118,6 +122,11 @@ class AlgoConfig:
     invalid_penalty: float = 0.1
     delta_normalize: bool = False
     delta_clip: Optional[float] = None
+    # the token-level skill signal added with λ (README "Beyond the sampled token"): sampled = the paper's
+    # Δ = log p_s(y) - log p_o(y); full_kl / topk_kl = Δ + KL(p_o || p_s) (exact / top-k), its conditional mean removed
+    delta: Literal["sampled", "full_kl", "topk_kl"] = "sampled"
+    # weight of the distillation loss KL(p_o || p_s) through the original context, on skill-routed tokens (0: off)
+    distill_coef: float = 0.0
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = 3.0
@@ -168,6 +177,15 @@ class TrainConfig:
     # Checkpoints kept on disk (the newest N; older ones are deleted after each save); 0 keeps every checkpoint.
     keep_checkpoints: int = 2
     use_reference: bool = True  # compute reference log-probs for the KL term (kl_coef > 0)
+    # megatron-core's distributed optimizer: optimizer state (and the fp32 main weights) sharded over the data-parallel
+    # ranks, gradients reduce-scattered instead of all-reduced. Works on gloo (CPU) and NCCL.
+    distributed_optimizer: bool = False
+    # Overlap the data-parallel gradient reduce with the backward (buckets are reduced as their gradients are ready).
+    overlap_grad_reduce: bool = False
+    # Activation recompute in the PPO update (megatron-core's names): none | selective (the core attention of every
+    # layer is recomputed in the backward) | full (every transformer layer is recomputed from its input: uniform,
+    # one layer per checkpoint). Saves activation memory at the cost of a second forward; same gradients.
+    recompute: Literal["none", "selective", "full"] = "none"
 
 
 @dataclass
@@ -243,6 +261,7 @@ _CHECKS: dict[str, tuple] = {
     "parallel.tp": _POSITIVE_INT,
     "parallel.pp": _POSITIVE_INT,
     "parallel.vpp": _POSITIVE_INT,
+    "parallel.cp": (lambda v: v == 1, "1 (context parallelism is not supported)"),
     "env.max_steps": _POSITIVE_INT,
     "env.history_length": (lambda v: v >= 0, "an integer >= 0"),
     "env.num_workers": _POSITIVE_INT,
@@ -262,6 +281,7 @@ _CHECKS: dict[str, tuple] = {
     "algo.lambda_step": _NON_NEG,
     "algo.invalid_penalty": _NON_NEG,
     "algo.delta_clip": (lambda v: v is None or v > 0, "null or a number > 0"),
+    "algo.distill_coef": _NON_NEG,
     "algo.clip_low": _NON_NEG,
     "algo.clip_high": _NON_NEG,
     "algo.dual_clip": (lambda v: v is None or v > 1, "null or a number > 1"),
@@ -404,6 +424,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.lr_warmup_ratio: got {cfg.train.lr_warmup_ratio!r} with train.lr_scheduler="
                           f"{cfg.train.lr_scheduler}, allowed: a number in (0, 1] with lr_scheduler=warmup, 0 with "
                           "lr_scheduler=constant")
+    # issue 15: the divergence kernel and algo.divergence_delta / distill_loss exist, the scorer does not feed them yet
+    if cfg.algo.delta != "sampled":
+        raise ConfigError(f"algo.delta: got {cfg.algo.delta!r}, allowed: 'sampled' (full_kl/topk_kl are not wired into "
+                          "the trainer yet: opid_mega.kernels.dual_context_divergence and opid_mega.algo.divergence_delta "
+                          "can be used directly)")
+    if cfg.algo.distill_coef != 0:
+        raise ConfigError(f"algo.distill_coef: got {cfg.algo.distill_coef!r}, allowed: 0 (the distillation loss is not "
+                          "wired into the trainer yet: opid_mega.algo.distill_loss can be used directly)")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        raise ConfigError("parallel.sequence_parallel: got true with parallel.tp=1, allowed: true only with "
+                          "parallel.tp > 1")
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         raise ConfigError("parallel.vpp: got %d, allowed: 1 unless parallel.pp > 1" % cfg.parallel.vpp)
     return cfg

@@ -7,8 +7,9 @@
         analysis in the background (analyzer.submit) while the reference log-probs are computed
         routing (algo.route_skills per trajectory, by algo.mode)
         scoring with the OLD weights through the Scorer (original context = PPO's old log-probs; skill contexts -> Δ)
-        advantages (step_scores -> outcome_advantage by task group, skill_delta per kind, combine_advantages)
-        Megatron PPO update in mini-batches (train.mini_batch_size step-samples, micro-batches by tokens)
+        advantages (the C++ batch builder: outcome_advantage by task group, token_advantages A_out + Σ λ_k Δ_k)
+        Megatron PPO update in mini-batches (train.mini_batch_size step-samples; micro-batches of
+            train.micro_batch_tokens packed by the C++ builder, balanced over data-parallel ranks)
         weight sync Megatron -> rollout engine
         evaluation without skills every eval.interval iterations and after the last; metrics; checkpoint every
         train.save_interval
@@ -22,14 +23,17 @@ the uninterrupted one.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from opid_mega import algo
@@ -157,34 +161,51 @@ def resolve_init(cfg: Config) -> str:
     return resolve_model_path(cfg.model.path, cfg.model.builtin, cfg.model.cache_dir)
 
 
-def _pad(rows: list, width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.float32)
-    return out
+@dataclass
+class Advantages:
+    """Per step-sample outcome advantages and per response token (flat, sample order) A and old log-probs."""
+    a_out: np.ndarray  # float64 [S]
+    token: np.ndarray  # float32 [sum resp_lens]: A = A_out + Σ λ_k Δ_k
+    old: np.ndarray  # float32 [sum resp_lens]: log π_old of the original context
+    resp_lens: np.ndarray  # int64 [S]
+
+    @property
+    def outcome_per_token(self) -> np.ndarray:
+        return np.repeat(self.a_out, self.resp_lens)
 
 
-def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups):
-    """(A_out [N], A [N, R], old log-probs [N, R], response mask [N, R]) from the scorer's results (OPID.md §2, §6,
-    §7). `grpo` / `skill_grpo` take no Δ; every other mode adds λ_k Δ_k with the mode's λs. Identical to GRPO
-    whenever every Δ is 0."""
-    R = max(r.orig.numel() for r in scored)
-    lens = torch.tensor([r.orig.numel() for r in scored])
-    mask = torch.arange(R)[None, :] < lens[:, None]
-    old = _pad([r.orig for r in scored], R)
-    scores = algo.step_scores(torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(invalid),
-                              cfg.algo.invalid_penalty)
-    a_out = algo.outcome_advantage(scores, torch.as_tensor(groups), cfg.algo.outcome_mode)
-    deltas, lambdas = {}, {}
+def _flat(tensors: list, lens: np.ndarray, what: str) -> np.ndarray:
+    got = np.fromiter((t.numel() for t in tensors), np.int64, count=len(tensors))
+    bad = np.flatnonzero(got != lens)
+    if bad.size:
+        raise ValueError(f"{what} of step-sample {int(bad[0])} has {int(got[bad[0]])} values, its response "
+                         f"{int(lens[bad[0]])} tokens")
+    return torch.cat([t.reshape(-1).float() for t in tensors]).numpy() if tensors else np.zeros(0, np.float32)
+
+
+def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups, backend: Optional[str] = None):
+    """:class:`Advantages` from the scorer's results (OPID.md §2, §6, §7), by the batch builder's
+    `outcome_advantage` / `token_advantages` (`opid_mega._C` when built; `backend` forces one). `grpo` /
+    `skill_grpo` take no Δ; every other mode adds λ_k Δ_k with the mode's λs, Δ_k = skill − original log-prob on
+    the step-samples routed to skill type k. Identical to GRPO whenever every Δ is 0."""
+    from opid_mega import batching
+
+    lens = np.fromiter((r.orig.numel() for r in scored), np.int64, count=len(scored))
+    old = _flat([r.orig for r in scored], lens, "the original log-probs")
+    scores = np.asarray(rewards, np.float64) - cfg.algo.invalid_penalty * np.asarray(invalid, bool)
+    a_out = batching.outcome_advantage(scores, np.asarray(groups, np.int64), cfg.algo.outcome_mode, backend=backend)
+    deltas, masks, lambdas = [], [], []
     if cfg.algo.mode not in ("grpo", "skill_grpo"):
+        lam = {algo.EPISODE: cfg.algo.lambda_episode if cfg.algo.use_episode else 0.0,
+               algo.STEP: cfg.algo.lambda_step if cfg.algo.use_step else 0.0}
         for kind in KINDS:
-            has = torch.tensor([kind in r.skill for r in scored])
-            skill_lp = _pad([r.skill.get(kind, r.orig) for r in scored], R)
-            deltas[kind] = algo.skill_delta(skill_lp, old, mask & has[:, None], cfg.algo.delta_normalize,
-                                            cfg.algo.delta_clip)
-        lambdas = {algo.EPISODE: cfg.algo.lambda_episode if cfg.algo.use_episode else 0.0,
-                   algo.STEP: cfg.algo.lambda_step if cfg.algo.use_step else 0.0}
-    return a_out, algo.combine_advantages(a_out, deltas, lambdas, mask), old, mask
+            masks.append(np.fromiter((kind in r.skill for r in scored), bool, count=len(scored)))
+            skill = _flat([r.skill.get(kind, r.orig) for r in scored], lens, f"the {kind}-skill log-probs")
+            deltas.append(skill.astype(np.float64) - old)
+            lambdas.append(lam[kind])
+    token = batching.token_advantages(a_out, lens, deltas, masks, lambdas, normalize=cfg.algo.delta_normalize,
+                                      clip=cfg.algo.delta_clip, backend=backend)
+    return Advantages(a_out, token, old, lens)
 
 
 def skill_key(task) -> str:
@@ -332,7 +353,7 @@ class Trainer:
             self.close()
 
     def iteration(self, it: int) -> dict:
-        from opid_mega.megatron.logprobs import Sample
+        from opid_mega.megatron.train_batches import TrainData
         from opid_mega.metrics import Timer
         from opid_mega.scoring.scorer import ScoreRequest
 
@@ -398,42 +419,39 @@ class Trainer:
                 requests.append(ScoreRequest(s.prompt_ids, s.response_ids, skills))
             scored = self.scorer.score(requests)
 
-        # 5. advantages: A = A_out + Σ λ_k Δ_k per response token
+        # 5. advantages: A = A_out + Σ λ_k Δ_k per response token (flat arrays, the C++ batch builder)
         rewards = [trajs[ti].score for ti, _, _ in samples]
-        invalid = torch.tensor([not s.valid for _, _, s in samples])
+        invalid = np.fromiter((not s.valid for _, _, s in samples), bool, count=len(samples))
         groups = [trajs[ti].group_id for ti, _, _ in samples]
-        a_out, adv, old, mask = compute_advantages(cfg, scored, rewards, invalid, groups)
-        R = mask.shape[1]
-        skill_part = adv - torch.where(mask, a_out[:, None].expand_as(adv), torch.zeros_like(adv))
+        adv = compute_advantages(cfg, scored, rewards, invalid, groups)
 
-        # 6. PPO update on the original context
+        # 6. PPO update on the original context (mini-batches packed by the C++ batch builder)
         with timer("update"):
-            train_samples = []
-            for k, (_, _, s) in enumerate(samples):
-                n = len(s.response_ids)
-                train_samples.append(Sample(s.prompt_ids + s.response_ids, len(s.prompt_ids),
-                                            old_logprobs=old[k, :n].tolist(), advantages=adv[k, :n].tolist(),
-                                            ref_logprobs=ref_lps[k].tolist() if ref_lps is not None else None))
+            data = TrainData.from_sequences([t for t, _ in orig], adv.resp_lens, old_logprobs=adv.old,
+                                            advantages=adv.token,
+                                            ref_logprobs=torch.cat(ref_lps) if ref_lps is not None else None)
             lr = learning_rate(cfg.train, it)
             self.policy.set_lr(lr)
-            ppo = self.policy.train(train_samples, seed=cfg.train.seed * 31 + it)
+            ppo = self.policy.train(data, seed=cfg.train.seed * 31 + it)
 
         # 7. weight sync to the rollout engine
         with timer("weight_sync"):
             self.sync_weights()
 
         # 8. metrics
-        ntok = mask.sum().clamp(min=1)
-        out_abs = float((a_out[:, None].abs() * mask).sum() / ntok)
-        skill_abs = float((skill_part.abs() * mask).sum() / ntok)
-        eng = _pad([s.response_logprobs for _, _, s in samples], R)
+        ntok = max(int(adv.resp_lens.sum()), 1)
+        out_tok = adv.outcome_per_token
+        out_abs = float(np.abs(out_tok).sum() / ntok)
+        # A is rounded to float32 once: against A_out in float32, GRPO's skill part is exactly 0
+        skill_abs = float(np.abs(adv.token.astype(np.float64) - out_tok.astype(np.float32)).sum() / ntok)
+        eng = np.fromiter(itertools.chain.from_iterable(s.response_logprobs for _, _, s in samples), np.float64)
         analyzed = [a for a in analyses if a is not None]
         elapsed = time.perf_counter() - t0
         return {
             "train/success_rate": mean(t.won for t in trajs),
             "train/score": mean(t.score for t in trajs),
             "train/episode_length": mean(len(t.steps) for t in trajs),
-            "train/invalid_rate": float(invalid.float().mean()),
+            "train/invalid_rate": float(invalid.mean()),
             "train/step_samples": len(samples),
             "rollout/env_errors": sum(t.env_error for t in batch.trajectories),
             "adv/outcome_abs_mean": out_abs,
@@ -451,7 +469,8 @@ class Trainer:
             "ppo/loss": ppo.get("loss"),
             "ppo/grad_norm": ppo.get("grad_norm"),
             "train/lr": lr,
-            "rollout/logprob_mismatch": float(((eng - old).abs() * mask).sum() / ntok),
+            "rollout/logprob_mismatch": float(np.abs(eng - adv.old).sum() / ntok) if eng.size == adv.old.size
+            else None,
             "perf/tokens_per_s": sum(len(t) for t, _ in orig) / elapsed,
             "scoring/tokens": getattr(self.scorer, "last_tokens", 0),
             **timer.pop(),

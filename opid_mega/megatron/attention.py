@@ -1,25 +1,42 @@
 """Core attention over a packed token layout, plugged into megatron-core through the layer ModuleSpec.
 
-A micro-batch is ONE packed row (batch size 1) of N tokens holding several sequences. The layout is given by
-``cu_seqlens`` (int32 [G+1], boundaries of the packed sequences/groups) and ``branch_ids`` (int32 [N]; 0 = shared
-prefix at the start of a group, b >= 1 = branch b). Token i attends to token j of the same group iff j <= i and
-(branch_ids[j] == 0 or branch_ids[j] == branch_ids[i]). A plain packed sequence has all-zero branch ids.
+A micro-batch is ONE packed row of N tokens holding several sequences. Its layout travels with the batch as
+megatron-core's ``PackedSeqParams`` (qkv_format "thd"), passed to ``GPTModel.forward(packed_seq_params=...)`` and
+handed by megatron down to every core attention call -- also when activation recompute re-runs a layer in the
+backward. :class:`ForkPackedSeqParams` adds our ``branch_ids`` (int32 [N]; 0 = shared prefix at the start of a group,
+b >= 1 = branch b) and caches per micro-batch (fork-kernel metadata, device copies, per-group masks). Token i attends
+to token j of the same group (``cu_seqlens`` segment) iff j <= i and (branch_ids[j] == 0 or branch_ids[j] ==
+branch_ids[i]). A plain packed training batch has no branch ids (all zero): causal attention inside each sequence.
+A plain megatron ``PackedSeqParams`` (thd) is accepted as such a batch. Without packed_seq_params every batch row is
+one causal sequence.
 
-The layout reaches the attention modules through :func:`packed_layout` (a context the model forward sets), so
-nothing in megatron-core's call chain has to change. Without a layout every batch row is one causal sequence.
-Forward-only calls (no grad: scoring) use ``opid_mega.kernels.fork_attention`` (Triton on GPU, per-segment SDPA on
-CPU; its metadata is built once per micro-batch and reused by every layer); when a gradient is needed (training),
-SDPA with the dense boolean mask ``fork_attention_mask`` (the definition above) is used.
+:class:`PackedCoreAttention` picks its kernel per call:
+- scoring (eval mode, no grad): ``opid_mega.kernels.fork_attention`` (Triton on GPU, per-segment SDPA on CPU);
+- training (train mode or grad enabled), no branches: :func:`varlen_attention` -- Transformer Engine's
+  ``DotProductAttention`` with the THD format (megatron's ``TEDotProductAttention``) when TE is importable, else
+  ``flash_attn_varlen_func`` when flash-attn is installed (both on GPU, fp16/bf16); on the CPU SDPA's flash
+  kernels per sequence into one output buffer (:class:`CpuVarlenFlash`); else causal SDPA per sequence. Memory grows
+  with sum(len^2) at most, never N^2;
+- training with branches: SDPA with the dense mask of each group on its own (memory sum(group_len^2)).
+In train mode the training kernels run also without grad, so the no-grad first forward of a recompute checkpoint and
+its re-run in the backward use the same kernel.
+
+Per-sequence flash attention was chosen over torch's flex attention with a block mask for the CPU path: measured
+with torch 2.13 at 4 x 1024 tokens, flex attention has no backward on the CPU ("FlexAttention does not support
+backward on CPU", eager and compiled) and building its block mask alone took 2 s, while the per-sequence path took
+0.26 s for forward + backward (``tools/bench_train_attention.py`` measures it against the dense mask).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
@@ -27,57 +44,236 @@ from opid_mega.kernels.fork_attention import build_fork_metadata, fork_attention
 
 
 @dataclass
-class PackedLayout:
-    cu_seqlens: torch.Tensor  # int32 [G+1]
-    branch_ids: Optional[torch.Tensor] = None  # int32 [N]; None = all zeros
+class ForkPackedSeqParams(PackedSeqParams):
+    """megatron-core ``PackedSeqParams`` (qkv_format "thd") + our fork-layout branch ids and per-batch caches.
+
+    ``cu_seqlens_q`` / ``cu_seqlens_kv`` stay on the host: megatron-core's unfused THD RoPE reads them per sequence
+    with ``.tolist()`` / ``.item()`` (a device sync per layer otherwise); the kernels use a device copy made once
+    per micro-batch (:meth:`device_cu_seqlens`). Build with :func:`packed_seq_params`."""
+
+    branch_ids: Optional[torch.Tensor] = None  # int32 [N] on the batch's device; None = all zeros
+    has_branches: bool = False  # any branch id != 0 (host fact, computed once)
 
     def __post_init__(self):
-        self._meta = self._mask = None
+        self._cache = {}
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return int(self.cu_seqlens_q[-1])
 
-    def branches(self) -> torch.Tensor:
+    def _cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def device_cu_seqlens(self, device) -> torch.Tensor:
+        return self._cached(("cu", str(device)), lambda: self.cu_seqlens_q.to(device=device, dtype=torch.int32))
+
+    def branches(self, device) -> torch.Tensor:
         if self.branch_ids is not None:
-            return self.branch_ids.to(torch.int32)
-        return torch.zeros(self.num_tokens, dtype=torch.int32, device=self.cu_seqlens.device)
+            return self._cached(("br", str(device)), lambda: self.branch_ids.to(device=device, dtype=torch.int32))
+        return self._cached(("br0", str(device)),
+                            lambda: torch.zeros(self.num_tokens, dtype=torch.int32, device=device))
 
-    def fork_meta(self):
-        """Kernel metadata, built once per micro-batch and shared by all layers."""
-        if self._meta is None:
-            self._meta = build_fork_metadata(self.cu_seqlens.to(torch.int32), self.branches())
-        return self._meta
+    def fork_meta(self, device):
+        """Fork-kernel metadata, built once per micro-batch and shared by all layers."""
+        return self._cached(("meta", str(device)),
+                            lambda: build_fork_metadata(self.device_cu_seqlens(device), self.branches(device)))
 
-    def mask(self) -> torch.Tensor:
-        """Boolean [N, N] attention mask (True = attend), built once per micro-batch."""
-        if self._mask is None:
-            self._mask = fork_attention_mask(self.cu_seqlens, self.branches())
-        return self._mask
+    def group_masks(self, device) -> list:
+        """Boolean [L_g, L_g] attention mask of each group (True = attend), for training with branches."""
+        def make():
+            cu = self.cu_seqlens_q.tolist()
+            br = self.branches(device)
+            return [fork_attention_mask(torch.tensor([0, e - s], dtype=torch.int32), br[s:e])
+                    for s, e in zip(cu[:-1], cu[1:])]
+
+        return self._cached(("masks", str(device)), make)
+
+    def thd_params(self, device) -> PackedSeqParams:
+        """A plain megatron ``PackedSeqParams`` with device cu_seqlens (for Transformer Engine)."""
+        cu = self.device_cu_seqlens(device)
+        return self._cached(("thd", str(device)), lambda: PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_kv=self.max_seqlen_kv))
 
 
-_LAYOUT: Optional[PackedLayout] = None
+def packed_seq_params(cu_seqlens: torch.Tensor, branch_ids: Optional[torch.Tensor] = None,
+                      device=None) -> ForkPackedSeqParams:
+    """The layout of one packed micro-batch: ``cu_seqlens`` int [G+1] (0 .. N), optional fork ``branch_ids`` [N]
+    (moved to ``device``, default: where they are). Host facts (max length, any branch) are computed here, once."""
+    cu = torch.as_tensor(cu_seqlens).to(device="cpu", dtype=torch.int32)
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be a non-decreasing 1-D tensor starting at 0, got {cu.tolist()}")
+    n = int(cu[-1])
+    if branch_ids is not None and branch_ids.numel() != n:
+        raise ValueError(f"branch_ids has {branch_ids.numel()} entries, cu_seqlens covers {n} tokens")
+    has = branch_ids is not None and n > 0 and bool((branch_ids != 0).any())
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    br = None if branch_ids is None else branch_ids.to(device=device or branch_ids.device, dtype=torch.int32)
+    return ForkPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                               max_seqlen_kv=max_len, branch_ids=br, has_branches=has)
 
 
-@contextlib.contextmanager
-def packed_layout(layout: Optional[PackedLayout]):
-    """Make ``layout`` visible to every :class:`PackedCoreAttention` for the duration of a forward."""
-    global _LAYOUT
-    prev, _LAYOUT = _LAYOUT, layout
+@functools.lru_cache(maxsize=None)
+def _te_available() -> bool:
     try:
-        yield
-    finally:
-        _LAYOUT = prev
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def segment_attention(q, k, v, cu_seqlens: list, *, softmax_scale: float, dropout_p: float = 0.0,
+                      masks: Optional[list] = None) -> torch.Tensor:
+    """Attention of each ``cu_seqlens`` segment on its own with SDPA (causal, or ``masks[g]`` when given).
+
+    q: [N, Hq, D], k, v: [N, Hkv, D] (GQA by ``enable_gqa``); ``cu_seqlens``: host ints. Returns [N, Hq, D].
+    Differentiable; memory grows with sum(len^2) at most (SDPA's math fallback; CPU flash attention, used without a
+    mask, needs O(len) per segment), never with N^2."""
+    gqa = q.shape[1] != k.shape[1]
+    lens = [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    # split, not slices: the backward of a slice allocates a zero gradient of the whole [N, H, D] input per segment
+    parts = zip(q.split(lens), k.split(lens), v.split(lens))
+    outs = []
+    for g, (length, qkv) in enumerate(zip(lens, parts)):
+        if length == 0:
+            continue
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in qkv)  # [1, H, L, D]
+        if masks is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, dropout_p=dropout_p, scale=softmax_scale,
+                                               enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[g], dropout_p=dropout_p,
+                                               scale=softmax_scale, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def _cpu_flash_ops():
+    """aten's CPU flash-attention kernels (what SDPA calls on the CPU), or None where this torch lacks them."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if not all(hasattr(aten, n) for n in names):
+        return None
+    return tuple(getattr(aten, n) for n in names)
+
+
+class CpuVarlenFlash(torch.autograd.Function):
+    """Causal flash attention per packed sequence on the CPU with ONE output and ONE gradient buffer per tensor.
+
+    The same kernels as SDPA (aten's CPU flash attention, GQA native), called per sequence on strided views; only
+    the per-sequence log-sum-exp ([H, L] floats) is kept for the backward besides q, k, v and the output, so the
+    attention's own memory is O(N * H), not the per-sequence output and gradient copies that autograd through
+    per-sequence SDPA calls + ``torch.cat`` would keep."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens: list, scale: float):
+        fwd, _ = _cpu_flash_ops()
+        out = q.new_empty(q.shape)
+        lses = []
+        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if e > s:
+                o, lse = fwd(*(x[s:e].transpose(0, 1)[None] for x in (q, k, v)), 0.0, True, scale=scale)
+                out[s:e] = o[0].transpose(0, 1)
+                lses.append(lse)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, bwd = _cpu_flash_ops()
+        q, k, v, out, *lses = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        i = 0
+        for s, e in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:]):
+            if e > s:
+                seg = [x[s:e].transpose(0, 1)[None] for x in (grad_out, q, k, v, out)]
+                for g, gs in zip(grads, bwd(*seg, lses[i], 0.0, True, scale=ctx.scale)):
+                    g[s:e] = gs[0].transpose(0, 1)
+                i += 1
+        return grads[0], grads[1], grads[2], None, None
+
+
+def varlen_backend(q: torch.Tensor) -> str:
+    """The kernel :func:`varlen_attention` uses for ``q``: "te" | "flash_attn" | "sdpa"."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if _te_available():
+            return "te"
+        if _flash_attn_varlen() is not None:
+            return "flash_attn"
+    return "sdpa"
+
+
+def varlen_attention(q, k, v, params: ForkPackedSeqParams, *, softmax_scale: float, dropout_p: float = 0.0,
+                     te_module=None, dropout_rng=None) -> torch.Tensor:
+    """Causal attention inside each packed sequence (no branches). q: [N, Hq, D], k, v: [N, Hkv, D] -> [N, Hq, D].
+
+    GPU with fp16/bf16: Transformer Engine (``te_module``, megatron's ``TEDotProductAttention``, THD format; it forks
+    megatron's RNG tracker for its dropout itself), else flash-attn's varlen kernel. CPU: :class:`CpuVarlenFlash`
+    (SDPA's CPU flash kernels per sequence, one output buffer). Otherwise (GPU fp32, neither installed, dropout on
+    the CPU): :func:`segment_attention`. ``dropout_rng``: the context for the dropout of the last two (megatron's
+    RNG tracker)."""
+    backend = varlen_backend(q)
+    if backend == "te" and te_module is not None:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        out = te_module(q, k, v, None, attn_mask_type=AttnMaskType.causal,
+                        packed_seq_params=params.thd_params(q.device))
+        return out.reshape(q.shape)
+    flash = _flash_attn_varlen() if backend != "sdpa" else None
+    with dropout_rng if dropout_rng is not None else contextlib.nullcontext():
+        if flash is not None:
+            cu = params.device_cu_seqlens(q.device)
+            return flash(q, k, v, cu, cu, params.max_seqlen_q, params.max_seqlen_kv, dropout_p=dropout_p,
+                         softmax_scale=softmax_scale, causal=True)
+        cu = params.cu_seqlens_q.tolist()
+        if q.device.type == "cpu" and dropout_p == 0.0 and _cpu_flash_ops() is not None:
+            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+            return CpuVarlenFlash.apply(q, k, v, cu, softmax_scale)
+        return segment_attention(q, k, v, cu, softmax_scale=softmax_scale, dropout_p=dropout_p)
+
+
+def as_fork_params(params: PackedSeqParams) -> ForkPackedSeqParams:
+    """Our params as they are; a plain megatron ``PackedSeqParams`` (thd, no padding) as a branch-free layout."""
+    if isinstance(params, ForkPackedSeqParams):
+        return params
+    cached = getattr(params, "_opid_fork_params", None)
+    if cached is not None:
+        return cached
+    if params.qkv_format != "thd":
+        raise ValueError(f"PackedCoreAttention needs qkv_format 'thd', got {params.qkv_format!r}")
+    if params.cu_seqlens_q_padded is not None or (params.cu_seqlens_kv is not None
+                                                  and not torch.equal(params.cu_seqlens_kv, params.cu_seqlens_q)):
+        raise ValueError("PackedCoreAttention: padded or cross (q != kv) cu_seqlens are not supported")
+    params._opid_fork_params = packed_seq_params(params.cu_seqlens_q)  # once per micro-batch, not per layer
+    return params._opid_fork_params
 
 
 class PackedCoreAttention(MegatronModule):
-    """Drop-in for megatron's ``DotProductAttention`` (same constructor) that understands :class:`PackedLayout`."""
+    """Drop-in for megatron's ``DotProductAttention`` (same constructor) that understands packed layouts
+    (:class:`ForkPackedSeqParams`, or a plain thd ``PackedSeqParams``)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("PackedCoreAttention does not support context parallelism")
+        if config.apply_rope_fusion:
+            raise ValueError("apply_rope_fusion must be False: OpidGPTModel passes per-token rotary frequencies "
+                             "(packed and fork positions) that the fused THD RoPE kernel would re-index")
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
@@ -86,29 +282,54 @@ class PackedCoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.te_attention = None
+        if torch.cuda.is_available() and _te_available():  # the THD varlen kernel for training on GPU
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            self.te_attention = TEDotProductAttention(config, layer_number, attn_mask_type, attention_type,
+                                                      attention_dropout=attention_dropout,
+                                                      softmax_scale=self.softmax_scale, cp_comm_type=cp_comm_type,
+                                                      pg_collection=pg_collection)
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _rng(self):
+        from megatron.core import tensor_parallel
+
+        if self._dropout_p() > 0 and not self.config.sequence_parallel:  # as megatron's DotProductAttention
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("PackedCoreAttention takes its layout from packed_layout(), not packed_seq_params")
-        s, b = query.shape[0], query.shape[1]
-        layout = _LAYOUT
-        if layout is not None and b != 1:
-            raise ValueError(f"a packed layout needs batch size 1, got {b}")
-        if layout is not None and int(layout.cu_seqlens[-1]) != s:
-            raise ValueError(f"packed layout covers {int(layout.cu_seqlens[-1])} tokens, sequence has {s}")
-        if layout is not None and not torch.is_grad_enabled():
-            out = fork_attention(query[:, 0], key[:, 0], value[:, 0], layout.cu_seqlens, layout.branches(),
-                                 softmax_scale=self.softmax_scale, meta=layout.fork_meta())
-            return out.reshape(s, 1, self.heads * self.head_dim)
-        rep = self.heads // self.groups
-        q = query.permute(1, 2, 0, 3)  # [b, h, s, d]
-        k = key.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        v = value.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        p = self.dropout if self.training else 0.0
-        if layout is None:
-            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, scale=self.softmax_scale)
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not take an attention_bias")
+        if packed_seq_params is None:  # [s, b, h, d]: every row one causal sequence
+            s, b = query.shape[0], query.shape[1]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+            with self._rng():
+                ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self._dropout_p(),
+                                                     scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+            return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        params = as_fork_params(packed_seq_params)
+        if query.dim() == 4:  # [t, 1, h, d] (megatron squeezes it for thd; accept it unsqueezed too)
+            if query.shape[1] != 1:
+                raise ValueError(f"a packed layout needs batch size 1, got {query.shape[1]}")
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]
+        n = query.shape[0]
+        if params.num_tokens != n:
+            raise ValueError(f"packed layout covers {params.num_tokens} tokens, the sequence has {n}")
+        if not self.training and not torch.is_grad_enabled():  # scoring: the fork kernel (forward only)
+            out = fork_attention(query, key, value, params.device_cu_seqlens(query.device),
+                                 params.branches(query.device), softmax_scale=self.softmax_scale,
+                                 meta=params.fork_meta(query.device))
+        elif params.has_branches:  # training on a fork layout: each group's own dense mask
+            with self._rng():
+                out = segment_attention(query, key, value, params.cu_seqlens_q.tolist(),
+                                        softmax_scale=self.softmax_scale, dropout_p=self._dropout_p(),
+                                        masks=params.group_masks(query.device))
         else:
-            mask = layout.mask().to(query.device)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.softmax_scale)
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+            out = varlen_attention(query, key, value, params, softmax_scale=self.softmax_scale,
+                                   dropout_p=self._dropout_p(), te_module=self.te_attention, dropout_rng=self._rng())
+        return out.reshape(n, 1, self.heads * self.head_dim)

@@ -3,9 +3,19 @@
 Layout of ``<dir>/step_<N>/``: megatron's sharded checkpoint (model chunks ``model0..``, ``optimizer``, ``step``
 and ``extra``) plus ``rng/rank<R>.pt`` (this rank's python/torch(/cuda) RNG states). ``latest_step`` in ``<dir>``
 names the newest complete checkpoint (written last, so a run killed while saving resumes from the previous one).
+
+The model entries are megatron-core's own ``sharded_state_dict`` keys (``embedding.word_embeddings.weight``,
+``decoder.layers.self_attention.linear_qkv.weight`` with the layers stacked on a leading axis, ...; the local spec's
+norms under the TE spec's names), the keys Megatron-LM writes and reads; the common state carries Megatron-LM's
+``iteration`` and ``checkpoint_version``. So :func:`load_model` reads the weights of a Megatron-LM checkpoint (or of
+any megatron-core distributed checkpoint) into OPID's model or a plain ``GPTModel``, a plain ``GPTModel`` reads ours
+with ``dist_checkpointing.load``, and :func:`export_megatron_lm` lays one of ours out as Megatron-LM's
+``iter_<N:07d>`` + ``latest_checkpointed_iteration.txt`` (load it with ``--load DIR --finetune --no-load-optim
+--no-load-rng``). CLI: ``tools/convert_checkpoint.py``.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import Optional
@@ -14,6 +24,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_LM_CHECKPOINT_VERSION = 3.0
+
 
 def _unwrap(m):
     while hasattr(m, "module"):
@@ -21,10 +34,28 @@ def _unwrap(m):
     return m
 
 
+def _optimizer_metadata(optimizer) -> Optional[dict]:
+    """The distributed optimizer's state goes in megatron's ``dp_reshardable`` format (Megatron-LM's default: each
+    rank writes its own shard; its older default ``fully_sharded_model_space`` no longer saves in megatron-core 0.16);
+    a plain optimizer's checkpoint keys stay as they were (None)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(getattr(getattr(o, "config", None), "use_distributed_optimizer", False) for o in parts):
+        return {"distrib_optim_sharding_type": "dp_reshardable"}
+    return None
+
+
 def _sharded_state(chunks, optimizer, is_loading=False):
     sd = {f"model{i}": _unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(chunks)}
     if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading)
+        metadata = _optimizer_metadata(optimizer)
+        if is_loading and metadata:
+            # megatron's distributed optimizer without Apex/TE reads the Adam 'step' out of its (lazily created)
+            # state while building the state dict to load: create that state first, as megatron's own loaders do
+            # (its values are overwritten by the load)
+            for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+                if hasattr(part, "_init_optimizer_states_with_dummy_values") and len(part.optimizer.state) == 0:
+                    part._init_optimizer_states_with_dummy_values()
+        sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=metadata)
     return sd
 
 
@@ -59,6 +90,7 @@ def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict]
     sd = _sharded_state(chunks, optimizer)
     sd["step"] = step
     sd["extra"] = extra or {}
+    sd["iteration"], sd["checkpoint_version"] = step, MEGATRON_LM_CHECKPOINT_VERSION  # what Megatron-LM reads
     dist_checkpointing.save(sd, path)
     if rank == 0:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
@@ -124,6 +156,112 @@ def load(ckpt_dir: str, chunks, optimizer=None, step: Optional[int] = None) -> t
     for i, c in enumerate(chunks):
         _unwrap(c).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer's fp32 main params are views of the model's parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            # megatron's distributed optimizer (torch Adam, no Apex/TE) loads ONE 'step' tensor into every parameter's
+            # state; torch's Adam increments each parameter's step in place, so a shared tensor would count every
+            # parameter. Give each its own copy.
+            inner = getattr(part, "optimizer", None)
+            for st in getattr(inner, "state", {}).values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
     _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False))
     return int(loaded["step"]), loaded.get("extra", {})
+
+
+def checkpoint_dir(path: str, step: Optional[int] = None) -> str:
+    """The megatron-core distributed checkpoint directory ``path`` names: OPID's checkpoint directory
+    (``latest_step`` -> ``step_<N>``), Megatron-LM's ``--save`` directory (``latest_checkpointed_iteration.txt`` ->
+    ``iter_<N:07d>`` or ``release``), or a checkpoint directory itself (it holds ``metadata.json``). ``step``: that
+    step / iteration instead of the latest."""
+    if os.path.exists(os.path.join(path, "metadata.json")) and step is None:
+        return path
+    ours = os.path.exists(os.path.join(path, "latest_step")) or (step is not None and saved_steps(path))
+    mlm_tracker = os.path.join(path, MEGATRON_LM_TRACKER)
+    if ours:
+        found = os.path.join(path, f"step_{latest_step(path) if step is None else step}")
+    elif os.path.exists(mlm_tracker) or step is not None:
+        if step is None:
+            with open(mlm_tracker) as f:
+                text = f.read().strip()
+            found = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}")
+        else:
+            found = os.path.join(path, f"iter_{step:07d}")
+    else:
+        raise FileNotFoundError(f"{path} is no distributed checkpoint: no metadata.json, latest_step or "
+                                f"{MEGATRON_LM_TRACKER}")
+    if not os.path.exists(os.path.join(found, "metadata.json")):
+        raise FileNotFoundError(f"{found} (named by {path}) is no complete distributed checkpoint (no metadata.json)")
+    return found
+
+
+def model_sharded_state(chunks) -> dict:
+    """The model entries as Megatron-LM nests them: ``{"model": ...}``, or ``{"model0": ..., "model1": ...}`` for
+    interleaved chunks. (The checkpoint's tensor keys do not depend on this nesting.)"""
+    if len(chunks) == 1:
+        return {"model": _unwrap(chunks[0]).sharded_state_dict(prefix="")}
+    return {f"model{i}": _unwrap(c).sharded_state_dict(prefix="") for i, c in enumerate(chunks)}
+
+
+def load_model(path: str, chunks, step: Optional[int] = None) -> str:
+    """Collective: only the model weights of ``chunks`` (OpidGPTModel or a plain megatron-core GPTModel, wrapped or
+    not, any TP/PP layout) from the distributed checkpoint ``path`` names (:func:`checkpoint_dir`: OPID's or
+    Megatron-LM's). Optimizer, RNG and trainer state are left alone. A tensor the model needs that the checkpoint
+    lacks, or one of another shape, is an error naming it. Returns the checkpoint directory read."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ckpt = checkpoint_dir(path, step)
+    sd = model_sharded_state(chunks)
+    try:
+        loaded, _, absent = dist_checkpointing.load(sd, ckpt, strict=StrictHandling.RETURN_UNEXPECTED)
+    except (CheckpointingException, CheckpointException) as e:  # e.g. "Global shape mismatch ... for key ..."
+        causes = [f[0] for f in getattr(e, "failures", {}).values()] or [e]  # torch wraps each rank's exception
+        raise ValueError(f"{ckpt} does not fit the model: {causes[0]}") from e
+    if absent:
+        names = sorted(absent)
+        raise ValueError(f"{ckpt} lacks {len(names)} tensor(s) the model needs, e.g. {', '.join(names[:4])}")
+    for key, c in zip(sd, chunks):
+        _unwrap(c).load_state_dict(loaded[key])
+    return ckpt
+
+
+def export_megatron_lm(ckpt_dir: str, out_dir: str, step: Optional[int] = None) -> str:
+    """Lay OPID checkpoint ``step`` (default: the latest) of ``ckpt_dir`` out as Megatron-LM's: ``out_dir/iter_<N:07d>``
+    (the tensor files hard-linked, copied where links fail; the common state rewritten with ``iteration`` and
+    ``checkpoint_version``; our per-rank RNG files left out) and ``out_dir/latest_checkpointed_iteration.txt``. No
+    process group needed. Returns the new iteration directory."""
+    import shutil
+
+    src = checkpoint_dir(ckpt_dir, step)
+    with open(os.path.join(src, "metadata.json")) as f:
+        meta = json.load(f)
+    if meta.get("common_backend", "torch") != "torch":
+        raise ValueError(f"{src}: common state backend {meta.get('common_backend')!r} (expected torch)")
+    common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=False)
+    it = int(common.get("step", common.get("iteration", 0))) if step is None else step
+    dst = os.path.join(out_dir, f"iter_{it:07d}")
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} exists")
+    for root, dirs, files in os.walk(src):
+        rel = os.path.relpath(root, src)
+        if rel == ".":
+            dirs[:] = [d for d in dirs if d != "rng"]  # OPID's per-rank RNG files: not Megatron-LM's format
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in files:
+            if rel == "." and name == "common.pt":
+                continue
+            a, b = os.path.join(root, name), os.path.join(dst, rel, name)
+            try:
+                os.link(a, b)
+            except OSError:
+                shutil.copy2(a, b)
+    common["iteration"], common["checkpoint_version"] = it, MEGATRON_LM_CHECKPOINT_VERSION
+    torch.save(common, os.path.join(dst, "common.pt"))
+    tmp = os.path.join(out_dir, MEGATRON_LM_TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(it))
+    os.replace(tmp, os.path.join(out_dir, MEGATRON_LM_TRACKER))
+    return dst

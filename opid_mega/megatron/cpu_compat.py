@@ -9,7 +9,10 @@ megatron-core (0.16.1 .. 0.19.x) assumes CUDA in a handful of places that matter
 4. ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` grads  -> a CPU-safe equivalent;
 5. ``torch.cuda.synchronize`` / ``Tensor.cuda()``                             -> no-ops;
 6. ``torch.cuda.current_stream()`` (megatron-core 0.19's grad-sync waits on CUDA-graph events) -> a stream whose
-   wait/record calls do nothing (there is only one "stream" on the CPU).
+   wait/record calls do nothing (there is only one "stream" on the CPU);
+7. the distributed optimizer and the bf16/fp16 optimizer sort parameters by ``Tensor.type()`` names
+   (``torch.cuda.FloatTensor`` ...) while they are built -> CPU tensors report the CUDA names inside those
+   constructors only.
 
 :func:`apply` installs all of these once per process and ONLY when no GPU is present; on a GPU machine it does
 nothing. Everything CPU-specific in opid_mega.megatron lives in this one module.
@@ -95,6 +98,28 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
+def _cuda_type_names(init):
+    """``init`` with ``Tensor.type()`` (no arguments) reporting ``torch.cuda.<X>Tensor`` for CPU tensors."""
+
+    @functools.wraps(init)
+    def wrapper(*args, **kwargs):
+        orig = torch.Tensor.type
+
+        def type_(t, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and t.device.type == "cpu":
+                name = orig(t)
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            return orig(t, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = orig
+
+    return wrapper
+
+
 def _patch(owner, name: str, value) -> None:
     _ORIGINALS.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -136,6 +161,12 @@ def apply() -> bool:
     if hasattr(mp_random, "_get_cuda_rng_state"):
         _patch(mp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     _patch(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu)
+    from megatron.core.optimizer import distrib_optimizer
+
+    for cls in (getattr(distrib_optimizer, "DistributedOptimizer", None),
+                getattr(optimizer, "Float16OptimizerWithFloat16Params", None)):
+        if cls is not None:
+            _patch(cls, "__init__", _cuda_type_names(cls.__init__))
     _patch(optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu)
     _APPLIED = True
     return True

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from opid_mega.megatron.attention import PackedLayout
+from opid_mega.megatron.attention import ForkPackedSeqParams, packed_seq_params
 
 
 @dataclass
@@ -58,9 +58,10 @@ class PackedBatch:
     branch_ids: Optional[torch.Tensor] = None  # int32 [N]; fork layout only
     extras: dict = field(default_factory=dict)  # float32 [n] tensors: old_logprobs, advantages, ref_logprobs, mask
 
-    @property
-    def layout(self) -> PackedLayout:
-        return PackedLayout(self.cu_seqlens, self.branch_ids)
+    def packed_seq_params(self, device=None) -> ForkPackedSeqParams:
+        """The batch's layout as megatron-core ``PackedSeqParams`` (thd) for ``model(packed_seq_params=...)``;
+        build it from the host batch (its host facts then cost no device sync), branch ids go to ``device``."""
+        return packed_seq_params(self.cu_seqlens, self.branch_ids, device=device)
 
     @classmethod
     def from_micro_batch(cls, mb) -> "PackedBatch":
@@ -159,8 +160,10 @@ def forward_step(data_iterator, model, *, return_entropy: bool = False, loss_fun
 
     ``loss_func(batch, output)`` is bound to the batch; the default collects log-probs (forward only).
     ``temperature``: log-probs and entropy of softmax(logits / temperature)."""
-    batch: PackedBatch = next(data_iterator).to(_device())
-    out = model(batch.input_ids, batch.position_ids, None, layout=batch.layout, score_rows=batch.score_rows,
+    batch: PackedBatch = next(data_iterator)
+    params = batch.packed_seq_params(_device())
+    batch = batch.to(_device())
+    out = model(batch.input_ids, batch.position_ids, None, packed_seq_params=params, score_rows=batch.score_rows,
                 score_targets=batch.score_targets, return_entropy=return_entropy, temperature=temperature)
     return out, partial(loss_func or logprob_loss_func, batch)
 
@@ -180,6 +183,9 @@ def run_schedule(chunks, batches: list[PackedBatch], forward_step_func, forward_
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if len(chunks) > 1 and len(batches) % pp:  # the interleaved schedule wants a multiple of pp micro-batches
         batches = list(batches) + [empty_batch() for _ in range(pp - len(batches) % pp)]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1 and chunks[0].config.sequence_parallel:  # sequence parallel splits every micro-batch over TP ranks
+        batches = [pad_batch(b, -(-int(b.input_ids.shape[1]) // tp) * tp) for b in batches]
     seq = max(int(b.input_ids.shape[1]) for b in batches)
     if len(chunks) > 1:  # the interleaved schedule sends fixed-shape activations: pad with a dummy segment
         batches = [pad_batch(b, seq) for b in batches]

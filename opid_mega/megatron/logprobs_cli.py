@@ -1,10 +1,12 @@
 """opid-logprobs: per-token log-probs of given tokens with the Megatron backend (TP/PP/DP).
 
-    opid-logprobs --model HF_DIR --input TOKENS.jsonl --tp N --pp M --out OUT.jsonl
+    opid-logprobs --model HF_DIR --input TOKENS.jsonl --tp N --pp M [--sequence-parallel] --out OUT.jsonl
 
 Each input line is {"tokens": [...], "score_from": k}; each output line is the input object plus
 "logprobs": [log p(tokens[j] | tokens[:j]) for j in k..len-1] (and "entropy" with --entropy).
 Started plainly it spawns tp*pp*dp ranks itself (gloo on CPU, NCCL on GPU); under torchrun it uses the given world.
+A layout that does not fit the model or the world (e.g. --tp 3 with 4 attention heads) is refused before any rank
+starts: one line on stderr, exit code 2.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def _parse(argv):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1, help="data-parallel size when spawning ranks (ignored under torchrun)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp > 1)")
     p.add_argument("--max-tokens", type=int, default=4096, help="token budget of one packed micro-batch")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--entropy", action="store_true", help="also write per-token entropy")
@@ -64,7 +67,8 @@ def run(args) -> None:
     try:
         hf = AutoConfig.from_pretrained(args.model)
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        chunks = build_model(hf, transformer_config(hf, tp=args.tp, pp=args.pp, dtype=dtype))
+        chunks = build_model(hf, transformer_config(hf, tp=args.tp, pp=args.pp, dtype=dtype,
+                                                    sequence_parallel=args.sequence_parallel))
         weights.load_hf_weights(chunks, hf, args.model)
         mine = dp_shard(list(range(len(rows))))
         lp, ent = compute_logprobs(chunks, [Sample(rows[i]["tokens"], int(rows[i]["score_from"])) for i in mine],
@@ -88,9 +92,29 @@ def run(args) -> None:
         parallel.destroy()
 
 
+def layout_error(args) -> str | None:
+    """The layout problem of these arguments on this world (None: fine), from the model's config.json alone."""
+    from opid_mega.megatron.layout import LayoutError, layout_error as check, model_facts
+
+    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.tp * args.pp * args.dp
+    if not torchrun and args.dp < 1:
+        return f"dp={args.dp} must be an integer >= 1"
+    try:
+        facts = model_facts(args.model)
+    except LayoutError as e:
+        return str(e)
+    return check(facts, tp=args.tp, pp=args.pp, sp=args.sequence_parallel, world=world)
+
+
 def main(argv=None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     _read_input(args.input)  # fail fast, before any rank starts
+    msg = layout_error(args)
+    if msg:  # one line, no traceback, before any rank (or process group) starts
+        if os.environ.get("RANK", "0") == "0":
+            print(f"opid-logprobs: {msg}", file=sys.stderr)
+        raise SystemExit(2)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         run(args)
         return

@@ -8,7 +8,8 @@ work without forking megatron-core.
 :class:`OpidGPTModel` differs from ``GPTModel`` only in its forward:
 - RoPE uses explicit per-token ``position_ids`` (packed sequences restart positions, fork branches get their own);
 - the last stage returns per-token log-probs (and entropy) of ``score_targets`` at hidden rows ``score_rows``,
-  computed vocabulary-parallel by ``opid_mega.kernels.fused_logprobs`` (full-vocab logits are never gathered).
+  computed vocabulary-parallel by ``opid_mega.kernels.fused_logprobs`` (full-vocab logits are never gathered);
+  under sequence parallel it first gathers the hidden rows from the sequence-parallel region.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
-from opid_mega.megatron.attention import PackedCoreAttention, PackedLayout, packed_layout
+from opid_mega.megatron.attention import PackedCoreAttention
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 
@@ -37,8 +39,28 @@ def _rope_theta(hf) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+ARCH_KEYS = ("hidden", "ffn", "layers", "heads", "kv_heads", "head_dim", "vocab", "eps", "rope_theta", "qkv_bias",
+             "qk_norm", "tied", "max_pos")
+
+
+def check_arch(a: dict) -> dict:
+    """An architecture dict (the keys of :func:`arch_of`, e.g. from ``opid_mega.megatron.megatron_lm``), checked."""
+    missing = [k for k in ARCH_KEYS if k not in a]
+    if missing:
+        raise ValueError(f"architecture dict lacks {', '.join(missing)}")
+    for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "head_dim", "vocab", "max_pos"):
+        if not isinstance(a[k], int) or isinstance(a[k], bool) or a[k] < 1:
+            raise ValueError(f"architecture: {k}={a[k]!r} must be a positive integer")
+    if a["heads"] % a["kv_heads"]:
+        raise ValueError(f"architecture: kv_heads={a['kv_heads']} must divide heads={a['heads']}")
+    return dict(a, model_type=a.get("model_type", "megatron"))
+
+
 def arch_of(hf) -> dict:
-    """Architecture facts the model and the weight mapping need, validated."""
+    """Architecture facts the model and the weight mapping need, validated. ``hf``: a HF config, or an architecture
+    dict (:func:`check_arch`)."""
+    if isinstance(hf, dict):
+        return check_arch(hf)
     mt = getattr(hf, "model_type", None)
     if mt not in SUPPORTED:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -71,9 +93,15 @@ def arch_of(hf) -> dict:
 
 
 def transformer_config(hf, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
-                       dtype: torch.dtype = torch.float32, **overrides) -> TransformerConfig:
-    """TransformerConfig for the HF config ``hf`` under the given parallel sizes."""
+                       dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                       **overrides) -> TransformerConfig:
+    """TransformerConfig for the HF config ``hf`` under the given parallel sizes.
+
+    ``sequence_parallel`` (needs tp > 1): the residual stream, norms and dropout run on 1/tp of the tokens; packed
+    micro-batches are padded to a multiple of tp (``logprobs.run_schedule``)."""
     a = arch_of(hf)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tp > 1 (got tp=1)")
     if a["heads"] % tp or a["kv_heads"] % tp:
         raise ValueError(f"tp={tp} must divide heads ({a['heads']}) and kv heads ({a['kv_heads']})")
     if a["vocab"] % tp:
@@ -96,6 +124,7 @@ def transformer_config(hf, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         # packed micro-batches vary in length (the interleaved schedule gets them padded to one length instead)
         variable_seq_lengths=not (vpp and vpp > 1), moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True, init_method_std=getattr(hf, "initializer_range", 0.02),
+        sequence_parallel=bool(sequence_parallel),
     )
     import dataclasses
 
@@ -103,9 +132,45 @@ def transformer_config(hf, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         # megatron-core's own default ("full") triggers its own deprecation warning; [] means the same (no graphs)
         kw["cuda_graph_scope"] = []
     kw.update(overrides)
-    if kw.get("sequence_parallel"):
-        raise ValueError("sequence_parallel is not supported by the OPID log-prob path yet")
+    if kw.get("context_parallel_size", 1) != 1:
+        raise ValueError(f"cp={kw['context_parallel_size']}: context parallelism is not supported")
     return TransformerConfig(**kw)
+
+
+class TorchNorm:
+    """megatron's local ``WrappedTorchNorm`` (torch RMSNorm/LayerNorm) that also builds under sequence parallel.
+
+    Its weights are marked ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients over the TP
+    ranks (under sequence parallel each rank normalises only its slice of the tokens)."""
+
+    residual_stream = True  # False: q/k norms, which see every token (megatron all-reduces them by name)
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization=None):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel and cls.residual_stream)
+        return norm
+
+
+class TorchQKNorm(TorchNorm):
+    residual_stream = False
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_config(mode: str) -> dict:
+    """TransformerConfig overrides for ``train.recompute``: none | selective (megatron re-runs the core attention in
+    the backward) | full (every layer re-run from its input: uniform, one layer per checkpoint)."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute={mode!r}, allowed: {', '.join(RECOMPUTE)}")
+    if mode == "none":
+        return {}
+    if mode == "selective":
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def layer_spec(config: TransformerConfig):
@@ -117,6 +182,11 @@ def layer_spec(config: TransformerConfig):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     except ImportError:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        if config.sequence_parallel:  # megatron's torch norms refuse sequence parallel; ours mark their weights
+            sub = spec.submodules
+            sub.input_layernorm = sub.pre_mlp_layernorm = TorchNorm
+            if config.qk_layernorm:
+                sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = TorchQKNorm
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
 
@@ -125,13 +195,22 @@ class OpidGPTModel(GPTModel):
     """GPTModel with explicit-position RoPE, packed layouts and a vocabulary-parallel log-prob head."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, *,
-                layout: Optional[PackedLayout] = None, score_rows: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None, score_rows: Optional[torch.Tensor] = None,
                 score_targets: Optional[torch.Tensor] = None, return_entropy: bool = False, temperature: float = 1.0,
                 **unused):
         """input_ids, position_ids: [B, S]. Non-last stages return hidden states [S, B, H]; the last stage returns
         ``[1 or 2, n]`` (log-probs, and entropy when asked) of ``score_targets`` [n] at rows ``score_rows`` [n]
         (flat indices into the [B*S] tokens, batch-major), or the final hidden states when no rows are given.
-        ``temperature``: log-probs and entropy of softmax(logits / temperature) (the sampling temperature)."""
+        ``temperature``: log-probs and entropy of softmax(logits / temperature) (the sampling temperature).
+        ``packed_seq_params``: the packed layout of a batch-size-1 row (``opid_mega.megatron.attention.
+        packed_seq_params``; a plain thd ``PackedSeqParams`` works too), handed to every layer's core attention by
+        megatron (recompute included). megatron's THD RoPE then finds per-token frequencies (one row per packed
+        token) and applies them as they are; None: every batch row is one causal sequence."""
+        if packed_seq_params is not None:
+            n = int(packed_seq_params.cu_seqlens_q[-1])
+            if input_ids.shape[0] != 1 or n != input_ids.shape[1]:
+                raise ValueError(f"packed_seq_params covers {n} tokens of one row; the batch is "
+                                 f"{tuple(input_ids.shape)}")
         bad = input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size)
         if self.pre_process and bad:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(input_ids.min())}, "
@@ -139,8 +218,8 @@ class OpidGPTModel(GPTModel):
         decoder_input = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
         freqs = self.rotary_pos_emb(int(position_ids.max()) + 1)  # [P, 1, 1, D]
         rotary = freqs[:, 0][position_ids.t()]  # [S, B, 1, D]: each token's own position
-        with packed_layout(layout):
-            hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary)
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
+                              packed_seq_params=packed_seq_params)
         if not self.post_process or score_rows is None:
             return hidden
         return self.score(hidden, score_rows, score_targets, return_entropy, temperature)
@@ -152,36 +231,57 @@ class OpidGPTModel(GPTModel):
     def score(self, hidden, rows, targets, return_entropy=False, temperature: float = 1.0):
         from opid_mega.kernels.logprob import fused_logprobs
 
-        if rows.numel() == 0:  # nothing to score: keep the graph connected for the pipeline backward
-            return hidden.new_zeros(2 if return_entropy else 1, 0) + hidden.sum() * 0.0
+        if rows.numel() == 0:  # nothing to score: keep the graph connected for the pipeline backward (and the
+            # output weight's, so that overlap_grad_reduce's per-parameter ready counts are those of any micro-batch)
+            return hidden.new_zeros(2 if return_entropy else 1, 0) + (hidden.sum() + self.output_weight().sum()) * 0.0
+        sp = self.config.sequence_parallel
+        if sp:  # [S/tp, B, H] -> [S, B, H]; the backward reduce-scatters the vocab-shard partial gradients
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
         h = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[rows]
         w = self.output_weight()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         out = fused_logprobs(h, w, targets, vocab_start=tp_rank * w.shape[0],
                              tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
-                             return_entropy=return_entropy, temperature=temperature)
+                             return_entropy=return_entropy, temperature=temperature, reduce_hidden_grad=not sp)
         return torch.stack(out) if return_entropy else out[None]
+
+
+def build_chunk(hf, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
+                vp_stage: Optional[int] = None, pg_collection=None) -> OpidGPTModel:
+    """One OpidGPTModel: the pipeline stage (``vp_stage``: its virtual chunk) that ``pre_process`` / ``post_process``
+    say. ``hf``: a HF config or an architecture dict (:func:`arch_of`). ``pg_collection``: megatron-core's process
+    groups (None: the global ones)."""
+    a = arch_of(hf)
+    spec = layer_spec(config)
+    block = spec
+    if config.sequence_parallel and spec.submodules.input_layernorm is TorchNorm:  # and the final norm too
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                           layer_norm=TorchNorm)
+    m = OpidGPTModel(
+        config=config, transformer_layer_spec=block, vocab_size=a["vocab"], max_sequence_length=a["max_pos"],
+        pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=a["tied"],
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=a["rope_theta"], vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+    if not torch.cuda.is_available():
+        m = m.float() if config.params_dtype == torch.float32 else m.to(config.params_dtype)
+    else:
+        m = m.cuda()
+    return m
 
 
 def build_model(hf, config: TransformerConfig) -> list[OpidGPTModel]:
     """One OpidGPTModel per (virtual) pipeline chunk on this rank (a list of length vpp, or 1)."""
-    a = arch_of(hf)
-    spec = layer_spec(config)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
-        m = OpidGPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=a["vocab"], max_sequence_length=a["max_pos"],
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        chunks.append(build_chunk(
+            hf, config, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            parallel_output=True, share_embeddings_and_output_weights=a["tied"],
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=a["rope_theta"], vp_stage=vp_stage,
-        )
-        if not torch.cuda.is_available():
-            m = m.float() if config.params_dtype == torch.float32 else m.to(config.params_dtype)
-        else:
-            m = m.cuda()
-        chunks.append(m)
+            vp_stage=vp_stage))
     return chunks

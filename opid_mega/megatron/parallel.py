@@ -1,6 +1,7 @@
 """Process groups for the Megatron backend: TP, PP (incl. virtual/interleaved), DP.
 
-NCCL on GPU, gloo on CPU (then :mod:`opid_mega.megatron.cpu_compat` is applied first).
+NCCL on GPU, gloo on CPU (``parallel.backend``; on a machine without a GPU :mod:`opid_mega.megatron.cpu_compat` is
+applied first).
 Works under torchrun (reads the usual env vars) and in processes spawned by :func:`spawn`.
 """
 from __future__ import annotations
@@ -22,11 +23,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 300) -> None:
-    """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp)."""
+def resolve_backend(backend: str = "auto") -> str:
+    """``parallel.backend``: auto = nccl with a GPU, gloo without; nccl without a GPU is an error."""
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"parallel.backend={backend!r}, allowed: auto, nccl, gloo")
+    gpu = torch.cuda.is_available()
+    if backend == "nccl" and not gpu:
+        raise ValueError("parallel.backend=nccl needs a GPU and this machine has none (use auto or gloo)")
+    if backend == "auto":
+        return "nccl" if gpu else "gloo"
+    return backend
+
+
+def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 300,
+               backend: str = "auto") -> None:
+    """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp).
+    ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`)."""
+    backend = resolve_backend(backend)
     cpu = cpu_compat.apply()
     if not dist.is_initialized():
-        backend = "gloo" if cpu else "nccl"
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -6,6 +6,7 @@ Every rank builds its own shard (TP x PP x DP from `cfg.parallel`).
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Optional
@@ -22,20 +23,27 @@ class Policy:
         from transformers import AutoConfig
 
         from opid_mega.megatron import parallel, weights
-        from opid_mega.megatron.model import build_model, transformer_config
+        from opid_mega.megatron.model import build_model, recompute_config, transformer_config
         from opid_mega.megatron.train_step import LossConfig, ReferenceWeights, build_optimizer, wrap_ddp
         from opid_mega.models import torch_dtype
 
-        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, seed=cfg.train.seed)
+        from opid_mega.megatron.layout import check_layout, model_facts
+
+        p = cfg.parallel
+        check_layout(model_facts(hf_dir), tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sequence_parallel, cp=p.cp,
+                     world=torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                     else int(os.environ.get("WORLD_SIZE", "1")))
+        parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend)
         self.cfg, self.hf_dir = cfg, hf_dir
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        tcfg = transformer_config(self.hf_config, tp=cfg.parallel.tp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp,
-                                  dtype=torch_dtype(cfg.model.dtype))
+        tcfg = transformer_config(self.hf_config, tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=torch_dtype(cfg.model.dtype),
+                                  sequence_parallel=p.sequence_parallel, **recompute_config(cfg.train.recompute))
         self.chunks = build_model(self.hf_config, tcfg)
         weights.load_hf_weights(self.chunks, self.hf_config, hf_dir)
         self.reference = ReferenceWeights(self.chunks) if cfg.train.use_reference and cfg.algo.kl_coef > 0 else None
-        self.ddp = wrap_ddp(self.chunks, tcfg)
         t = cfg.train
+        self.ddp = wrap_ddp(self.chunks, tcfg, use_distributed_optimizer=t.distributed_optimizer,
+                            overlap_grad_reduce=t.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.ddp, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
                                          betas=(t.adam_beta1, t.adam_beta2))
         a = cfg.algo
@@ -91,23 +99,29 @@ class Policy:
         with self.reference.swapped_in(self.chunks):
             return self.logprobs(seqs)
 
-    def train(self, samples: list, seed: int) -> dict:
-        """train.ppo_epochs epochs over `samples` in mini-batches of train.mini_batch_size step-samples (one optimizer
-        step each); each data-parallel rank trains on its share of every mini-batch (dp_shard), gradients are
-        averaged by Megatron's DDP."""
-        from opid_mega.megatron.train_step import dp_shard, train_mini_batch
+    def train(self, data, seed: int) -> dict:
+        """train.ppo_epochs epochs over the step-samples of ``data`` (`TrainData`) in mini-batches of
+        train.mini_batch_size step-samples (one optimizer step each, seeded shuffle). Each mini-batch is packed by the
+        C++ batch builder into micro-batches of train.micro_batch_tokens tokens balanced over the data-parallel ranks;
+        every rank trains on its share and Megatron's DDP reduces the gradients."""
+        from megatron.core import parallel_state as ps
 
-        order = list(range(len(samples)))
+        from opid_mega.megatron.train_step import train_mini_batch
+
+        order = list(range(data.num_samples))
         rng = random.Random(seed)
         sums: dict = {}
         first_kl = None
         n = 0
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         for _ in range(self.cfg.train.ppo_epochs):
             rng.shuffle(order)
             mb = self.cfg.train.mini_batch_size
             for start in range(0, len(order), mb):
-                part = dp_shard([samples[i] for i in order[start:start + mb]])  # this data-parallel rank's share
-                m = train_mini_batch(self.ddp, self.optimizer, part, self.cfg.train.micro_batch_tokens, self.loss_cfg)
+                batches = data.subset(order[start:start + mb]).micro_batches(self.cfg.train.micro_batch_tokens,
+                                                                             dp, rank)
+                m = train_mini_batch(self.ddp, self.optimizer, [], self.cfg.train.micro_batch_tokens, self.loss_cfg,
+                                     batches=batches)
                 if first_kl is None:
                     first_kl = m.get("approx_kl", float("nan"))
                 for k, v in m.items():

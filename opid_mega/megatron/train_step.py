@@ -96,21 +96,38 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
     return loss, ntok.to(torch.int), metrics
 
 
-def wrap_ddp(chunks, config, use_distributed_optimizer: Optional[bool] = None):
-    """megatron DDP around each chunk (distributed optimizer buffers on GPU by default)."""
-    if use_distributed_optimizer is None:
-        use_distributed_optimizer = torch.cuda.is_available()
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=use_distributed_optimizer)
-    return [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c,
-                                    disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+def wrap_ddp(chunks, config, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+             bucket_size: Optional[int] = None):
+    """megatron DDP around each chunk (``train.distributed_optimizer``, ``train.overlap_grad_reduce``; gloo or NCCL).
+
+    ``use_distributed_optimizer``: gradients are reduce-scattered into the optimizer's data-parallel shards (pair it
+    with :func:`build_optimizer`, which follows the wrapper). ``overlap_grad_reduce``: each gradient bucket is reduced
+    asynchronously as soon as the backward of the mini-batch's last micro-batch has filled it; the schedules get
+    megatron's ``no_sync_func`` / ``grad_sync_func`` hooks for that (as Megatron-LM sets them). ``bucket_size``:
+    parameters per bucket (None: megatron's default; only used with ``overlap_grad_reduce``)."""
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                            use_distributed_optimizer=use_distributed_optimizer,
+                                            bucket_size=bucket_size)
+    ddp = [DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+           for i, c in enumerate(chunks)]
+    one = (lambda fns: fns[0] if len(fns) == 1 else fns)  # noqa: E731 - megatron takes one function or a list
+    config.no_sync_func = one([m.no_sync for m in ddp]) if overlap_grad_reduce else None
+    config.grad_sync_func = one([m.start_grad_sync for m in ddp]) if overlap_grad_reduce else None
+    return ddp
 
 
 def build_optimizer(ddp_chunks, lr: float = 1e-6, weight_decay: float = 0.01, clip_grad: float = 1.0,
                     betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: Optional[bool] = None):
-    """megatron optimizer (AdamW: decoupled weight decay) with grad clipping; hooks it into the model config."""
+    """megatron optimizer (AdamW: decoupled weight decay) with grad clipping; hooks it into the model config.
+
+    ``use_distributed_optimizer`` None: what the DDP wrappers were built for (:func:`wrap_ddp`); a different value is
+    an error (the distributed optimizer needs the wrappers' reduce-scatter buffers)."""
+    wrapped = ddp_chunks[0].ddp_config.use_distributed_optimizer
     if use_distributed_optimizer is None:
-        use_distributed_optimizer = torch.cuda.is_available()
+        use_distributed_optimizer = wrapped
+    if bool(use_distributed_optimizer) != bool(wrapped):
+        raise ValueError(f"build_optimizer: use_distributed_optimizer={use_distributed_optimizer} but the DDP wrappers "
+                         f"were built with use_distributed_optimizer={wrapped} (wrap_ddp)")
     cfg = ddp_chunks[0].config
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                               adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps,
@@ -148,14 +165,17 @@ def _broadcast_from_last_stage(obj):
 
 
 def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tokens: int,
-                     cfg: LossConfig = LossConfig()) -> dict[str, float]:
-    """One optimizer step on this rank's share of a mini-batch (its samples packed by ``micro_tokens``)."""
+                     cfg: LossConfig = LossConfig(), batches: Optional[list[PackedBatch]] = None) -> dict[str, float]:
+    """One optimizer step on this rank's share of a mini-batch: its ``samples`` packed by ``micro_tokens``, or the
+    micro-batches given as ``batches`` (the trainer's: `opid_mega.megatron.train_batches.TrainData.micro_batches`,
+    packed by the C++ builder; ``samples`` is then ignored)."""
     for c in ddp_chunks:
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    plan = plan_micro_batches([len(s.tokens) for s in samples], micro_tokens)
-    batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]  # a DP rank with no samples
+    if batches is None:
+        plan = plan_micro_batches([len(s.tokens) for s in samples], micro_tokens)
+        batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]  # a DP rank with no samples
     step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg),
                    temperature=cfg.temperature)
     outs = run_schedule(ddp_chunks, batches, step, forward_only=False)

@@ -170,8 +170,11 @@ def test_training_step_equals_installed_megatron_core(run, arch):
         moved = max((base["after_step1"][n] - base["export"][n]).abs().max() for n in base["export"])
         assert moved > 1e-5  # the step changed the weights
         assert set(res["after_step1"]) == set(base["after_step1"]), tag
+        # Adam's first step is lr * g / (|g| + eps): a gradient difference δ at fp32 noise level moves a weight whose
+        # gradient is near 0 by up to lr * δ / eps (~1e-5 here), so weights are compared at a quarter of a step (the
+        # gradients themselves are compared through grad_norm above, relative 1e-5)
         for name, t in base["after_step1"].items():
-            assert (res["after_step1"][name] - t).abs().max() <= 1e-5, (tag, name)
+            assert (res["after_step1"][name] - t).abs().max() <= 0.25 * 1e-4, (tag, name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

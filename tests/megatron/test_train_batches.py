@@ -1,0 +1,141 @@
+"""PPO micro-batches from the C++ batch builder (opid_mega.megatron.train_batches) against the definition: every
+response token of every sample is scored exactly once, from the hidden row of the token before it, with its own
+old log-prob / advantage / reference log-prob; sequences stay whole; budgets and rank balance hold."""
+import numpy as np
+import pytest
+import torch
+
+from opid_mega.megatron.train_batches import TrainData
+
+
+def _data(seed, n=23, max_prompt=40, max_resp=12, with_ref=True):
+    rng = np.random.default_rng(seed)
+    seqs, resp = [], []
+    for _ in range(n):
+        p, r = int(rng.integers(1, max_prompt)), int(rng.integers(0, max_resp))
+        seqs.append(rng.integers(0, 50_000, p + r).tolist())
+        resp.append(r)
+    total = sum(resp)
+    # values that name their token: sample s, response position j -> s * 1000 + j (exact in float32)
+    sid = np.repeat(np.arange(n), resp)
+    pos = np.concatenate([np.arange(r) for r in resp]) if total else np.zeros(0, np.int64)
+    code = (sid * 1000 + pos).astype(np.float32)
+    values = dict(old_logprobs=code, advantages=-code - 0.5)
+    if with_ref:
+        values["ref_logprobs"] = code + 0.25
+    return seqs, resp, TrainData.from_sequences(seqs, resp, **values)
+
+
+def _check(seqs, resp, batches_by_rank, budget, samples=None):
+    """`samples`: the sample ids the batches hold (default: all)."""
+    seen = set()
+    counts = {len(b) for b in batches_by_rank}
+    assert len(counts) == 1, "every rank gets the same number of micro-batches"
+    for batches in batches_by_rank:
+        for b in batches:
+            ids, posn = b.input_ids[0].tolist(), b.position_ids[0].tolist()
+            n = len(ids)
+            assert b.cu_seqlens[0] == 0 and int(b.cu_seqlens[-1]) == n
+            if not b.scored_per_seq:  # an empty micro-batch scores nothing
+                assert b.score_rows.numel() == 0
+                continue
+            assert n <= max(budget, max(len(seqs[s]) for s in (samples or range(len(seqs)))))
+            old = b.extras["old_logprobs"].tolist()
+            assert sum(b.scored_per_seq) == len(old) == b.score_rows.numel() == b.score_targets.numel()
+            assert b.extras["advantages"].tolist() == [-v - 0.5 for v in old]
+            if "ref_logprobs" in b.extras:
+                assert b.extras["ref_logprobs"].tolist() == [v + 0.25 for v in old]
+            assert b.extras["loss_mask"].tolist() == [1.0] * len(old)
+            start = 0
+            for cnt in b.scored_per_seq:  # one sample per split, its tokens in order
+                part = [divmod(int(v), 1000) for v in old[start:start + cnt]]
+                assert len({s for s, _ in part}) <= 1 and [j for _, j in part] == list(range(cnt))
+                start += cnt
+            for row, tgt, v in zip(b.score_rows.tolist(), b.score_targets.tolist(), old):
+                s, j = divmod(int(v), 1000)
+                assert (s, j) not in seen
+                seen.add((s, j))
+                p = len(seqs[s]) - resp[s]
+                assert tgt == seqs[s][p + j]
+                assert ids[row] == seqs[s][p + j - 1] and posn[row] == p + j - 1
+                assert ids[row + 1] == tgt  # the next packed token is the target: the sequence is whole there
+    samples = range(len(resp)) if samples is None else samples
+    assert seen == {(s, j) for s in samples for j in range(resp[s])}
+
+
+@pytest.mark.parametrize("seed,budget,ranks", [(0, 64, 1), (1, 100, 2), (2, 37, 3), (3, 4096, 4)])
+def test_micro_batches_score_every_response_token_once(seed, budget, ranks):
+    seqs, resp, data = _data(seed)
+    by_rank = [data.micro_batches(budget, ranks, r) for r in range(ranks)]
+    _check(seqs, resp, by_rank, budget)
+
+
+def test_backends_give_identical_batches():
+    _, _, data = _data(4)
+    a, b = data.micro_batches(80, 2, 1, backend="cpp"), data.micro_batches(80, 2, 1, backend="python")
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.score_rows, y.score_rows)
+        assert x.scored_per_seq == y.scored_per_seq
+        assert all(torch.equal(x.extras[k], y.extras[k]) for k in x.extras)
+
+
+def test_subset_equals_building_from_the_subset():
+    seqs, resp, data = _data(5, with_ref=False)
+    idx = [7, 0, 19, 19, 3]  # a repeated index gives the sample twice
+    sub = data.subset(idx)
+    code = data.values["old_logprobs"]
+    off = np.concatenate([[0], np.cumsum(resp)])
+    want = TrainData.from_sequences([seqs[i] for i in idx], [resp[i] for i in idx],
+                                    old_logprobs=np.concatenate([code[off[i]:off[i + 1]] for i in idx]),
+                                    advantages=np.concatenate([-code[off[i]:off[i + 1]] - 0.5 for i in idx]))
+    assert np.array_equal(sub.tokens, want.tokens) and np.array_equal(sub.seq_offsets, want.seq_offsets)
+    assert np.array_equal(sub.resp_lens, want.resp_lens)
+    assert all(np.array_equal(sub.values[k], want.values[k]) for k in want.values)
+    assert "ref_logprobs" not in sub.values
+    once = data.subset([7, 0, 19, 3])  # values still name the original samples
+    _check(seqs, resp, [once.micro_batches(50)], 50, samples=[7, 0, 19, 3])
+
+
+def test_a_rank_without_samples_gets_an_empty_micro_batch():
+    seqs, resp, data = _data(6, n=1)
+    by_rank = [data.micro_batches(1000, 3, r) for r in range(3)]
+    assert sum(int(b.score_rows.numel()) for bs in by_rank for b in bs) == resp[0]
+    _check(seqs, resp, by_rank, 1000)
+    assert [len(b) for b in by_rank] == [1, 1, 1]
+
+
+def test_bad_input_names_the_problem():
+    seqs = [[1, 2, 3], [4, 5]]
+    ok = dict(old_logprobs=np.zeros(3, np.float32), advantages=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="advantages"):
+        TrainData.from_sequences(seqs, [2, 1], old_logprobs=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"old_logprobs has shape \(4,\)"):
+        TrainData.from_sequences(seqs, [2, 1], old_logprobs=np.zeros(4, np.float32), advantages=np.zeros(3))
+    with pytest.raises(ValueError, match="sample 1: resp_len 2"):
+        TrainData.from_sequences(seqs, [1, 2], **ok)
+    with pytest.raises(ValueError, match="unknown value"):
+        TrainData.from_sequences(seqs, [2, 1], **ok, rewards=np.zeros(3))
+    with pytest.raises(ValueError, match="token ids"):
+        TrainData.from_sequences([[1, -2, 3], [4, 5]], [2, 1], **ok)
+    data = TrainData.from_sequences(seqs, [2, 1], **ok)
+    with pytest.raises(IndexError, match=r"\[0, 2\)"):
+        data.subset([2])
+    with pytest.raises(ValueError, match="rank 2"):
+        data.micro_batches(10, 2, 2)
+
+
+def test_overhead_benchmark_runs_and_both_paths_score_every_token(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_train_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_train_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "o.json"
+    res = bench.main(["--preset", "tiny", "--dp", "1", "--repeat", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert res["before_scored_tokens"] == res["after_scored_tokens"] > 0
+    assert res["before_s"] > 0 and res["after_s"] > 0 and res["step_samples"] == 20
