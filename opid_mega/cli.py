@@ -72,6 +72,8 @@ def _quiet() -> None:
     filter_dependency_warnings()
     configure_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not sys.stderr.isatty():  # a log file: no Hugging Face "Loading weights" / "Writing shards" bar redraws
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def first_run_notice(cfg) -> str:
@@ -172,13 +174,21 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if os.environ.get("RANK", "0") == "0":
         print(first_run_notice(cfg), flush=True)
-    from opid_mega.trainer import RolloutEngineDied, train
-
     try:
+        from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
+
         train(cfg, str(run_dir), resume=bool(args.resume))
     except RolloutEngineDied as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 3
+    except TrainingInterrupted as e:  # Ctrl-C: one line, on rank 0
+        if os.environ.get("RANK", "0") == "0":
+            print(f"opid-train: {e}", file=sys.stderr, flush=True)
+        return 130
+    except KeyboardInterrupt:  # while importing
+        if os.environ.get("RANK", "0") == "0":
+            print("opid-train: interrupted before training started; nothing to resume", file=sys.stderr, flush=True)
+        return 130
     if os.environ.get("RANK", "0") == "0":
         print(f"opid-train: done, run directory {run_dir} (plots: opid-report {run_dir})")
     return 0

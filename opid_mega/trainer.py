@@ -47,6 +47,10 @@ class RolloutEngineDied(RuntimeError):
     """The rollout engine failed; the message names the iteration and the last checkpoint."""
 
 
+class TrainingInterrupted(Exception):
+    """Ctrl-C (SIGINT) during training; the message says where it stopped, the last checkpoint and how to resume."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Rollout: opid_mega.rollout.AgentLoop (one batched generate per env step; an env that raises ends only its
 # trajectory: it is marked `env_error`, left out of the iteration and counted in rollout/env_errors)
@@ -310,6 +314,7 @@ class Trainer:
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
         self.start = 0
+        self.current = 0  # the iteration in progress (0: none yet)
         if resume:
             from opid_mega.megatron.checkpoint import latest_step
 
@@ -333,6 +338,7 @@ class Trainer:
             if self.start == 0 and should_evaluate(cfg, 0) and self.eval_tasks and self.rank0:
                 self.log.log(0, self.evaluate(0))
             for it in range(self.start + 1, cfg.train.iterations + 1):
+                self.current = it
                 try:
                     metrics = self.iteration(it)
                 except RolloutEngineDied as exc:
@@ -564,10 +570,26 @@ class Trainer:
 
 
 def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False) -> Path:
-    trainer = Trainer(cfg, run_dir, resume)
-    trainer.fit()
+    """Build the trainer and run it; the servers it launched are shut down however it ends. Ctrl-C raises
+    :class:`TrainingInterrupted` naming the iteration it stopped in and the last checkpoint."""
+    trainer = None
     try:
-        trainer.engine.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
+        trainer = Trainer(cfg, run_dir, resume)
+        trainer.fit()
+    except KeyboardInterrupt:
+        from opid_mega.megatron.checkpoint import latest_step
+
+        run = Path(run_dir or cfg.logging.run_dir)
+        where = f"in iteration {trainer.current} of {cfg.train.iterations}" if getattr(trainer, "current", 0) \
+            else "before the first iteration"
+        last = latest_step(run / "checkpoints")
+        ckpt = f"last checkpoint {run / 'checkpoints'}/step_{last}" if last is not None else "no checkpoint yet"
+        how = f"resume with: opid-train --resume {run}" if last is not None else "nothing to resume: start it again"
+        raise TrainingInterrupted(f"interrupted {where}; {ckpt}; {how}") from None
+    finally:
+        if trainer is not None and trainer.engine is not None:
+            try:
+                trainer.engine.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
     return trainer.run_dir

@@ -9,8 +9,8 @@
 
 Launching: `python -m sglang.launch_server --model-path M --host H --port P <server_args verbatim>`, in its own
 process group, stdout+stderr to a log file (`engine.log_path`). On a machine without CUDA the CPU flags
-`--device cpu --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.2` are added (each only
-when server_args does not set it) and opid_mega/rollout/cpu_shims goes on the server's PYTHONPATH (see its README;
+`--device cpu --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.2 --sleep-on-idle` are
+added (each only when server_args does not set it; the last keeps an idle server from spinning on a core) and opid_mega/rollout/cpu_shims goes on the server's PYTHONPATH (see its README;
 install SGLang for CPU with tools/install_sglang_cpu.sh). SGLANG_USE_CPU_ENGINE is removed from the server's env:
 the official CPU engine needs a kernel package that is not on PyPI.
 
@@ -53,6 +53,8 @@ CPU_DEFAULT_ARGS = (
     ("--attention-backend", "torch_native"),
     ("--disable-cuda-graph", None),
     ("--mem-fraction-static", "0.2"),
+    # an idle CPU server otherwise polls its queues at ~100% of a core, stealing it from the trainer's PPO update
+    ("--sleep-on-idle", None),
 )
 _TRANSIENT_STATUS = (502, 503, 504)
 

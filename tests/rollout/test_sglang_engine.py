@@ -30,6 +30,7 @@ def test_server_command_cpu_defaults_and_verbatim_args():
     assert cmd[:9] == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
                        "1234"]
     assert cmd[9:14] == ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+    assert "--sleep-on-idle" in cmd  # an idle CPU server must not spin
     assert cmd.count("--mem-fraction-static") == 1 and cmd[-4:] == ["--dtype", "float32", "--mem-fraction-static",
                                                                     "0.5"]
     assert "--device" not in build_server_command("/m", "h", 1, [], cpu=False)
@@ -85,6 +86,22 @@ def server(tiny_qwen3, tmp_path_factory):
     engine.shutdown()
 
 
+def _group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid`, from /proc."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def _prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, 151000, (n,), generator=g).tolist() for n in (5, 23, 3)]
@@ -119,6 +136,13 @@ def test_real_sglang_server_on_cpu(server, tiny_qwen3):
         ref = [lp[len(p) - 1 + j, t].item() for j, t in enumerate(r.response_ids)]
         d_sampled = max(d_sampled, max(abs(a - b) for a, b in zip(ref, r.logprobs)))
     assert d_sampled <= TOL
+
+    # 2b. Idle, the server (all processes of its group: launcher, scheduler, detokenizer) sleeps: < 5% of a core.
+    time.sleep(1.0)
+    c0, t0 = _group_cpu_seconds(server.pid), time.monotonic()
+    time.sleep(4.0)
+    idle = (_group_cpu_seconds(server.pid) - c0) / (time.monotonic() - t0)
+    assert idle < 0.05, f"the idle SGLang server used {idle:.0%} of a core"
 
     # 3. Stop tokens end a response (the token is kept).
     stop = s0[1].response_ids[3]

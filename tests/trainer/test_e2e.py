@@ -1,6 +1,7 @@
 """`opid-train` end to end as a user runs it (subprocesses): the main job on a tiny budget, and resume after SIGKILL."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,3 +95,53 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
         assert keys
         for k in keys:
             assert mb.get(k) == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (ma["step"], k, ma[k], mb.get(k))
+
+
+def _group_alive(pgid: int) -> list:
+    alive = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(d))
+    return alive
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
+    """SIGINT to the run's whole process group (what Ctrl-C in a terminal does) inside iteration 2: exit 130, one line
+    on stderr saying where it stopped, the last checkpoint and how to resume; no traceback; no process left."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + TINY + [
+        "train.iterations=3", "train.save_interval=1", "logging.progress=false"]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=fo, stderr=fe, start_new_session=True)
+        latest = run / "checkpoints" / "latest_step"
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            if latest.exists() and latest.read_text().strip() == "1":
+                time.sleep(1.0)  # inside iteration 2
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run finished or died before it could be interrupted"
+        before = err.stat().st_size  # what the run wrote to stderr before Ctrl-C (e.g. weight-loading bars)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    text = out.read_text() + err.read_text()
+    assert rc == 130, text[-3000:]
+    assert "\r" not in text, "a progress bar redraw reached a log file"
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    lines = [ln for ln in err.read_bytes()[before:].decode().splitlines() if ln.strip()]  # written after Ctrl-C
+    assert len(lines) == 1, lines
+    m = re.fullmatch(rf"opid-train: interrupted in iteration (\d) of 3; last checkpoint {re.escape(str(run))}"
+                     rf"/checkpoints/step_(\d); resume with: opid-train --resume {re.escape(str(run))}", lines[0])
+    assert m and int(m[1]) in (2, 3) and int(m[2]) == int(m[1]) - 1, lines[0]
+    deadline = time.time() + 20
+    while _group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _group_alive(proc.pid), "processes of the run outlived it"
