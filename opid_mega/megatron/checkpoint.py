@@ -15,9 +15,12 @@ with ``dist_checkpointing.load``, and :func:`export_megatron_lm` lays one of our
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
+import threading
 from typing import Optional
 
 import torch
@@ -79,9 +82,34 @@ def _set_rng_state(st: dict) -> None:
         get_cuda_rng_tracker().set_states(st["tracker"])
 
 
+@contextlib.contextmanager
+def _ctrl_c_after_write():
+    """Ctrl-C (SIGINT) while a checkpoint is written is held back until the write is complete, then raised as
+    KeyboardInterrupt. The writer processes megatron forks meanwhile inherit the holding handler, so the same Ctrl-C
+    (a terminal sends it to the whole process group) cannot kill them halfway through a file either."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict] = None, keep: int = 0) -> str:
     """Collective: save everything for ``step``; returns the step directory. ``keep`` > 0: afterwards only the
-    newest ``keep`` complete checkpoints stay on disk (older ``step_<N>`` directories are removed; 0 keeps all)."""
+    newest ``keep`` complete checkpoints stay on disk (older ``step_<N>`` directories are removed; 0 keeps all).
+    A Ctrl-C during the save takes effect once the checkpoint is complete."""
+    with _ctrl_c_after_write():
+        return _save(ckpt_dir, step, chunks, optimizer, extra, keep)
+
+
+def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], keep: int) -> str:
     path = os.path.join(ckpt_dir, f"step_{step}")
     rank = dist.get_rank()
     if rank == 0:
