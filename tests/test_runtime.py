@@ -89,20 +89,24 @@ def test_ctrl_c_during_a_checkpoint_write_waits_for_the_write():
 
     from opid_mega.megatron.checkpoint import _ctrl_c_after_write
 
-    reached_end = False
-    with pytest.raises(KeyboardInterrupt):
-        with _ctrl_c_after_write():
-            pid = os.fork()
-            if pid == 0:  # child: the same signal must not interrupt it (exit 7: it was not interrupted)
-                code = 1
-                try:
-                    os.kill(os.getpid(), signal.SIGINT)
-                    sum(range(100_000))  # bytecode runs: a pending signal's handler runs here
-                    code = 7
-                finally:
-                    os._exit(code)
-            os.kill(os.getpid(), signal.SIGINT)
-            _, status = os.waitpid(pid, 0)
-            reached_end = True
-    assert reached_end and os.waitstatus_to_exitcode(status) == 7
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a CI job may ignore it)
+    try:
+        reached_end = False
+        with pytest.raises(KeyboardInterrupt):
+            with _ctrl_c_after_write():
+                pid = os.fork()
+                if pid == 0:  # child: the same signal must not interrupt it (exit 7: it was not interrupted)
+                    code = 1
+                    try:
+                        os.kill(os.getpid(), signal.SIGINT)
+                        sum(range(100_000))  # bytecode runs: a pending signal's handler runs here
+                        code = 7
+                    finally:
+                        os._exit(code)
+                os.kill(os.getpid(), signal.SIGINT)
+                _, status = os.waitpid(pid, 0)
+                reached_end = True
+        assert reached_end and os.waitstatus_to_exitcode(status) == 7
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
