@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_logprob import PeakMeter, _reexec_with_mmap_threshold  # noqa: E402  (the same measuring method)
+from bench_logprob import _reexec_with_mmap_threshold, measure  # noqa: E402  (the same measuring method)
 
 PRESETS = {
     # (N, H, V, dtype, pass, topk)
@@ -68,30 +67,10 @@ def run_case(n, h, v, dtype_name, pass_, topk, device, repeats):
             (out["logp_orig"].sum() + out["kl_skill_orig"].sum() + out["kl_orig_skill"].sum()).backward()
         return {k: x.detach() for k, x in out.items()}, ho.grad, w.grad
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     case = {"N": n, "H": h, "V": v, "dtype": dtype_name, "pass": pass_, "topk": topk, "device": device.type,
             "fused_backend": resolve_backend("auto", h_orig, "bench"), "naive_logits_bytes": 2 * n * v * 4,
             "peak_bytes": {}, "seconds": {}, "max_abs_diff_vs_naive": {}}
-    results = {}
-    for method in ("naive", "fused"):
-        results[method] = call(method)  # warm-up (and kernel compilation)
-        sync()
-        del results[method]
-        with PeakMeter(device) as meter:
-            results[method] = call(method)
-        case["peak_bytes"][method] = max(0, meter.peak - grad_bytes)
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            out = call(method)
-            sync()
-            times.append(time.perf_counter() - t0)
-            del out
-        case["seconds"][method] = statistics.median(times)
+    results = measure(call, ("naive", "fused"), device, grad_bytes, repeats, case)
     (fo, fgh, fgw), (no, ngh, ngw) = results["fused"], results["naive"]
     diffs = {k: (fo[k] - no[k]).abs().max().item() for k in KEYS}
     if topk:

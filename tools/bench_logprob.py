@@ -80,6 +80,36 @@ class PeakMeter:
         return False
 
 
+def measure(call, methods, device, grad_bytes: int, repeats: int, case: dict) -> dict:
+    """Per method: a warm-up call (kernel compilation), one call under PeakMeter (its extra peak memory minus the
+    `grad_bytes` the gradients themselves take, into case["peak_bytes"]) and the median of `repeats` timed calls
+    (case["seconds"]). Returns each method's measured result."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    results = {}
+    for method in methods:
+        results[method] = call(method)  # warm-up (and kernel compilation)
+        sync()
+        del results[method]
+        with PeakMeter(device) as meter:
+            results[method] = call(method)
+        case["peak_bytes"][method] = max(0, meter.peak - grad_bytes)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            out = call(method)
+            sync()
+            times.append(time.perf_counter() - t0)
+            del out
+        case["seconds"][method] = statistics.median(times)
+    return results
+
+
 def run_case(n, h, v, dtype_name, pass_, entropy, device, repeats, methods):
     import torch
     from opid_mega.kernels import fused_logprobs, naive_logprobs
@@ -108,30 +138,10 @@ def run_case(n, h, v, dtype_name, pass_, entropy, device, repeats, methods):
         res = (lp.detach(), ent.detach() if ent is not None else None, hh.grad, ww.grad)
         return res
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     case = {"N": n, "H": h, "V": v, "dtype": dtype_name, "pass": pass_, "entropy": entropy,
             "device": device.type, "fused_backend": resolve_backend("auto", hidden, "bench"),
             "naive_logits_bytes": n * v * 4, "peak_bytes": {}, "seconds": {}, "max_abs_diff_vs_naive": {}}
-    results = {}
-    for method in methods:
-        results[method] = call(method)  # warm-up (and kernel compilation)
-        sync()
-        del results[method]
-        with PeakMeter(device) as meter:
-            results[method] = call(method)
-        case["peak_bytes"][method] = max(0, meter.peak - grad_bytes)
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            out = call(method)
-            sync()
-            times.append(time.perf_counter() - t0)
-            del out
-        case["seconds"][method] = statistics.median(times)
+    results = measure(call, methods, device, grad_bytes, repeats, case)
     if "naive" in results:
         ref = results["naive"]
         for method, res in results.items():

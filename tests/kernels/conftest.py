@@ -22,15 +22,22 @@ def device():
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
-    """Under the interpreter, shrink the Triton tiles so small shapes still exercise multi-tile loops."""
+def shrink_tiles(monkeypatch):
+    """shrink_tiles(module, bwd_chunk): under the interpreter, small Triton tiles in `module` so small shapes still
+    exercise multi-tile loops (restored after the test); returns the module."""
+    def shrink(module, bwd_chunk: int):
+        if not ON_GPU:
+            for name, value in (("BLOCK_N", 16), ("BLOCK_V", 32), ("BLOCK_H", 16), ("BWD_CHUNK", bwd_chunk)):
+                monkeypatch.setattr(module, name, value)
+        return module
+    return shrink
+
+
+@pytest.fixture
+def small_tiles(shrink_tiles):
     import opid_mega.kernels.logprob_triton as lt
-    if not ON_GPU:
-        monkeypatch.setattr(lt, "BLOCK_N", 16)
-        monkeypatch.setattr(lt, "BLOCK_V", 32)
-        monkeypatch.setattr(lt, "BLOCK_H", 16)
-        monkeypatch.setattr(lt, "BWD_CHUNK", 64)
-    return lt
+
+    return shrink_tiles(lt, 64)
 
 
 @pytest.fixture(autouse=True)

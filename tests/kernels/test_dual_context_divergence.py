@@ -26,15 +26,11 @@ def _inputs(n, h, v, seed=0, dtype=torch.float32, close=0.5):
 
 
 @pytest.fixture
-def tri_tiles(monkeypatch):
+def tri_tiles(shrink_tiles):
     """Under the interpreter, small Triton tiles so tiny shapes still run multi-tile loops and several splits."""
     import opid_mega.kernels.dual_context_divergence_triton as dt
-    if not ON_GPU:
-        monkeypatch.setattr(dt, "BLOCK_N", 16)
-        monkeypatch.setattr(dt, "BLOCK_V", 32)
-        monkeypatch.setattr(dt, "BLOCK_H", 16)
-        monkeypatch.setattr(dt, "BWD_CHUNK", 96)
-    return dt
+
+    return shrink_tiles(dt, 96)
 
 
 def _grad_weights(n, seed=1):
