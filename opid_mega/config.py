@@ -224,6 +224,63 @@ class ScoringConfig:
 
 
 @dataclass
+class DeployConfig:
+    """Where every process runs (README "Multi-node"; `opid-plan` checks it against the model and the cluster).
+
+    GPU ids are local to a node. Rollout servers are launched per node by the node's first trainer rank (the same
+    `rollout_gpus` on every node); the analyzer server (when the trainer launches one) runs on node 0."""
+
+    # colocated: rollout engines on the training GPUs; between phases SGLang releases its weights and KV cache
+    # (memory saver) and the optimizer state goes to host memory during rollout. disaggregated: engines on own GPUs.
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    nodes: int = 1
+    gpus_per_node: int = 8  # GPUs of one node (the planner's default; a launched run checks it against the node)
+    # GPUs per node used by Megatron ranks (0: all of them in colocated mode; in disaggregated mode all GPUs that
+    # no server is given). The Megatron world size is nodes * train_gpus_per_node.
+    train_gpus_per_node: int = 0
+    # SGLang servers of the rollout fleet per node, each with rollout_tp GPUs (its --tp)
+    rollout_servers_per_node: int = 1
+    rollout_tp: int = 1
+    # explicit GPU ids of each rollout server on a node, e.g. [[6], [7]]; empty: colocated -> the training GPUs
+    # in order, disaggregated -> the node's last GPUs
+    rollout_gpus: list = field(default_factory=list)
+    rollout_mem_fraction: float = 0.85  # SGLang --mem-fraction-static of each rollout server (colocated: lower it)
+    # GPU ids of the analyzer server the trainer launches (node 0); a launched analyzer needs them on a GPU machine
+    # and they may not overlap the training GPUs
+    analyzer_gpus: list = field(default_factory=list)
+    analyzer_mem_fraction: float = 0.85
+    # How rollout requests reach the fleet: client = our balancer (least load, dead server out of rotation, its
+    # in-flight requests retried elsewhere); router = SGLang's router (sglang-router) in front of the servers
+    balancer: Literal["client", "router"] = "client"
+    # Extra `python -m sglang_router.launch_router` arguments, verbatim
+    router_args: list = field(default_factory=list)
+    # Ranks waiting for global rank 0 (rollout, analysis, evaluation) wait on a gloo control group with this timeout;
+    # the training process groups keep train_timeout_s
+    control_timeout_s: float = 86400.0
+    train_timeout_s: float = 300.0
+    # colocated on GPU: move the optimizer state to host memory during rollout and release SGLang's memory in training
+    offload_optimizer: bool = True
+    release_engine_memory: bool = True
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync Megatron -> rollout engines (README "Multi-node", weight sync)."""
+
+    # auto: distributed (NCCL group) for disaggregated GPU engines, tensor for engines on this machine (colocated,
+    # CPU), disk otherwise. distributed = SGLang update_weights_from_distributed; tensor =
+    # update_weights_from_tensor (SGLang's serializer); disk = HF safetensors + update_weights_from_disk
+    method: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    bucket_mb: int = 512  # tensors per transfer, in MiB
+    disk_dir: str = ""  # disk method: where the HF weights are written (empty: <run_dir>/weight_sync); shared by servers
+    # Every N syncs, check that the engine's greedy log-probs on a fixed probe equal the trainer's (0: never)
+    check_interval: int = 10
+    check_tokens: int = 16  # probe response length
+    # largest allowed |engine - trainer| log-prob on the probe (0: by model.dtype: 1e-3 float32, 5e-2 bf16/fp16)
+    check_tol: float = 0.0
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = True
@@ -242,6 +299,8 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
@@ -303,6 +362,22 @@ _CHECKS: dict[str, tuple] = {
     "eval.interval": (lambda v: v >= 0, "an integer >= 0"),
     "eval.num_tasks": (lambda v: v >= 0, "an integer >= 0"),
     "eval.temperature": _POSITIVE,
+    "deploy.nodes": _POSITIVE_INT,
+    "deploy.gpus_per_node": _POSITIVE_INT,
+    "deploy.train_gpus_per_node": (lambda v: v >= 0, "an integer >= 0 (0: by deploy.mode)"),
+    "deploy.rollout_servers_per_node": (lambda v: v >= 0, "an integer >= 0"),
+    "deploy.rollout_tp": _POSITIVE_INT,
+    "deploy.rollout_gpus": (lambda v: all(isinstance(g, list) and g and all(isinstance(i, int) and i >= 0 for i in g)
+                                          for g in v), "a list of non-empty lists of GPU ids (integers >= 0)"),
+    "deploy.rollout_mem_fraction": _PROB,
+    "deploy.analyzer_gpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of GPU ids (integers >= 0)"),
+    "deploy.analyzer_mem_fraction": _PROB,
+    "deploy.control_timeout_s": _POSITIVE,
+    "deploy.train_timeout_s": _POSITIVE,
+    "sync.bucket_mb": _POSITIVE_INT,
+    "sync.check_interval": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
+    "sync.check_tokens": _POSITIVE_INT,
+    "sync.check_tol": _NON_NEG,
 }
 
 
@@ -435,6 +510,13 @@ def validate(cfg: Config) -> Config:
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise ConfigError("parallel.sequence_parallel: got true with parallel.tp=1, allowed: true only with "
                           "parallel.tp > 1")
+    d = cfg.deploy
+    if d.rollout_gpus and any(len(g) != d.rollout_tp for g in d.rollout_gpus):
+        raise ConfigError(f"deploy.rollout_gpus: got {d.rollout_gpus!r}, allowed: groups of deploy.rollout_tp="
+                          f"{d.rollout_tp} GPU ids each")
+    if d.rollout_gpus and len(d.rollout_gpus) != d.rollout_servers_per_node:
+        raise ConfigError(f"deploy.rollout_gpus: got {len(d.rollout_gpus)} groups, allowed: one per rollout server "
+                          f"(deploy.rollout_servers_per_node={d.rollout_servers_per_node})")
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         raise ConfigError("parallel.vpp: got %d, allowed: 1 unless parallel.pp > 1" % cfg.parallel.vpp)
     return cfg
@@ -444,19 +526,41 @@ def config_from_dict(data: dict | None) -> Config:
     return validate(_build(Config, data or {}, ""))
 
 
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: str, seen: tuple = ()) -> dict:
+    """A config file as a dict. A top-level `base: other.yaml` (relative to this file) is read first and this file's
+    sections are merged over it, key by key (lists and scalars replace)."""
+    import os
+
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"{path}: `base:` includes itself ({' -> '.join(seen + (path,))})")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base: got {base!r}, allowed: the path of another config file")
+    parent = os.path.join(os.path.dirname(os.path.abspath(path)), base)
+    return _merge(_read_yaml(parent, seen + (os.path.abspath(path),)), data)
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML file (or the defaults when `path` is None), apply `key.sub=value` overrides, validate."""
-    data: dict = {}
-    if path:
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    data: dict = _read_yaml(path) if path else {}
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(data, key, value)
