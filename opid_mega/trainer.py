@@ -245,8 +245,12 @@ def learning_rate(train, it: int) -> float:
 
 
 def broadcast(produce):
-    """`produce()` on global rank 0, its result (or its error) sent to every rank. Single process: just the call."""
+    """`produce()` on global rank 0, its result (or its error) sent to every rank over the control group
+    (`parallel.control_group()`: gloo, deploy.control_timeout_s), so the other ranks may wait for rank 0's rollout
+    and analysis far longer than the training groups' timeout. Single process: just the call."""
     import torch.distributed as dist
+
+    from opid_mega.megatron.parallel import control_group
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return produce()
@@ -256,11 +260,22 @@ def broadcast(produce):
             box = [("ok", produce())]
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank
             box = [("error", exc)]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     status, value = box[0]
     if status == "error":
         raise value
     return value
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here, on the control group, until global rank 0 has finished work only it does (launching
+    servers, evaluation): the next training collective then starts together on every rank."""
+    import torch.distributed as dist
+
+    from opid_mega.megatron.parallel import control_group
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=control_group())
 
 
 def mean(xs) -> float:
@@ -325,6 +340,7 @@ class Trainer:
             self.analysis_failures = state.get("analysis_failures", 0)
         self.engine = build_engine(cfg, hf_dir) if self.rank0 else None
         self.loop = build_agent_loop(cfg, self.engine, self.tokenizer, hf_dir) if self.rank0 else None
+        wait_for_rank0()  # rank 0 may have spent minutes launching servers
         if resume:
             self.sync_weights()
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
@@ -337,6 +353,7 @@ class Trainer:
         try:
             if self.start == 0 and should_evaluate(cfg, 0) and self.eval_tasks and self.rank0:
                 self.log.log(0, self.evaluate(0))
+            wait_for_rank0()
             for it in range(self.start + 1, cfg.train.iterations + 1):
                 self.current = it
                 try:
@@ -352,6 +369,7 @@ class Trainer:
                     metrics.update(self.evaluate(it))
                 if self.rank0:
                     self.log.log(it, metrics)
+                wait_for_rank0()  # before the checkpoint's collectives: rank 0 may have been evaluating
                 if cfg.train.save_interval and (it % cfg.train.save_interval == 0 or it == cfg.train.iterations):
                     self.policy.save(self.ckpt_dir, it, {"skill_bank": self.skill_bank,
                                                          "analysis_failures": self.analysis_failures})

@@ -35,10 +35,16 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 300,
-               backend: str = "auto") -> None:
+_CONTROL = None  # the gloo control group (see control_group)
+
+
+def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: float = 300,
+               backend: str = "auto", control_timeout_s: float = 86400) -> None:
     """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp).
-    ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`)."""
+    ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`). ``timeout_s`` bounds every collective of the
+    training groups (a hung rank fails the run after it); ``control_timeout_s`` bounds the waits on the control
+    group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation."""
+    global _CONTROL
     backend = resolve_backend(backend)
     cpu = cpu_compat.apply()
     if not dist.is_initialized():
@@ -58,6 +64,9 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     world = dist.get_world_size()
+    # every rank creates every group in the same order: the control group first, before megatron's
+    _CONTROL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)) \
+        if world > 1 else None
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if vpp is not None and vpp > 1 and pp < 2:
@@ -72,7 +81,17 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def control_group():
+    """A gloo group over every rank with a long timeout (deploy.control_timeout_s): the channel on which ranks wait
+    for work that only global rank 0 does (rollout, analysis, evaluation) and receive its result as Python objects.
+    Waiting there cannot trip the training groups' timeout (deploy.train_timeout_s), however long rank 0 takes; on
+    GPU it keeps NCCL's watchdog out of it too. None in a single process or before :func:`initialize`."""
+    return _CONTROL
+
+
 def destroy() -> None:
+    global _CONTROL
+    _CONTROL = None
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -33,7 +33,8 @@ class Policy:
         check_layout(model_facts(hf_dir), tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sequence_parallel, cp=p.cp,
                      world=torch.distributed.get_world_size() if torch.distributed.is_initialized()
                      else int(os.environ.get("WORLD_SIZE", "1")))
-        parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend)
+        parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend,
+                            timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=cfg.deploy.control_timeout_s)
         self.cfg, self.hf_dir = cfg, hf_dir
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
         tcfg = transformer_config(self.hf_config, tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=torch_dtype(cfg.model.dtype),
