@@ -341,8 +341,11 @@ class Trainer:
         self.engine = build_engine(cfg, hf_dir) if self.rank0 else None
         self.loop = build_agent_loop(cfg, self.engine, self.tokenizer, hf_dir) if self.rank0 else None
         wait_for_rank0()  # rank 0 may have spent minutes launching servers
+        from opid_mega.megatron.weight_sync import WeightSync
+
+        self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer)
         if resume:
-            self.sync_weights()
+            self.sync_weights(self.start)
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                                  total=cfg.train.iterations, resume_step=self.start if resume else None) \
             if self.rank0 else None
@@ -460,7 +463,7 @@ class Trainer:
 
         # 7. weight sync to the rollout engine
         with timer("weight_sync"):
-            self.sync_weights()
+            sync = self.sync_weights(it)
 
         # 8. metrics
         ntok = max(int(adv.resp_lens.sum()), 1)
@@ -497,21 +500,19 @@ class Trainer:
             else None,
             "perf/tokens_per_s": sum(len(t) for t, _ in orig) / elapsed,
             "scoring/tokens": getattr(self.scorer, "last_tokens", 0),
+            **sync,
+            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
             **timer.pop(),
         }
 
-    def sync_weights(self) -> None:
-        """Megatron -> rollout engine (a collective export on every rank; rank 0 feeds its engine)."""
-        tensors = self.policy.export()
-        if self.engine is None:
-            for _ in tensors:
-                pass
-            return
+    def sync_weights(self, version: int) -> dict:
+        """Megatron -> rollout engine(s) as weight version `version` (opid_mega.megatron.weight_sync: a collective of
+        data-parallel replica 0; rank 0 feeds its engines; the probe check every sync.check_interval syncs)."""
         try:
-            self.engine.update_weights(tensors)
+            return self.weight_sync(version)
         except Exception as exc:  # noqa: BLE001
-            for _ in tensors:  # finish the collective so the other ranks do not hang
-                pass
+            if not self.rank0:
+                raise
             raise RolloutEngineDied(f"weight update failed: {type(exc).__name__}: {exc}") from exc
 
     # ---- analysis -----------------------------------------------------------------------------------------------

@@ -143,6 +143,73 @@ def _signal_group(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
         pass
 
 
+class WeightMismatch(EngineError):
+    """A weight bucket whose name, shape or dtype the served model does not have (nothing of it was sent)."""
+
+
+def read_manifest(model_dir: str, dtype: Optional[str] = None) -> dict:
+    """{name: (shape, dtype name)} from the safetensors headers of an HF directory (no tensor is read). `dtype`: the
+    dtype the server runs in (its --dtype), else each tensor's dtype in the checkpoint."""
+    import glob
+    import json
+    import struct
+
+    names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+             "I32": "int32", "U8": "uint8", "I8": "int8", "BOOL": "bool"}
+    want = {"float": "float32", "half": "float16"}.get(dtype, dtype)
+    out = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = (tuple(meta["shape"]), want or names.get(meta["dtype"], meta["dtype"]))
+    return out
+
+
+def check_against_manifest(manifest: Optional[dict], bucket, where: str = "") -> None:
+    if manifest is None:
+        return
+    for name, t in bucket:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise WeightMismatch(f"weight update for {where}: expected (name, tensor) pairs, got "
+                                 f"({type(name).__name__}, {type(t).__name__})")
+        if name not in manifest:
+            if name == "lm_head.weight" and "model.embed_tokens.weight" in manifest:
+                continue  # untied export into a tied checkpoint is not produced by us, but harmless to accept
+            raise WeightMismatch(f"weight update for {where}: the served model has no tensor {name!r}; nothing of "
+                                 "this bucket was sent, the server keeps its weights")
+        shape, dtype = manifest[name]
+        if tuple(t.shape) != tuple(shape):
+            raise WeightMismatch(f"weight update for {where}: {name} has shape {tuple(t.shape)}, the served model "
+                                 f"{tuple(shape)}; nothing of this bucket was sent, the server keeps its weights")
+        got = str(t.dtype).replace("torch.", "")
+        if got != dtype:
+            raise WeightMismatch(f"weight update for {where}: {name} is {got}, the served model runs {dtype}; nothing "
+                                 "of this bucket was sent, the server keeps its weights")
+
+
+def _buckets(items, bucket_bytes: int):
+    """Lists of (name, tensor): `items` yields pairs (grouped here by size) or lists of pairs (kept as they are)."""
+    bucket, size = [], 0
+    for item in items:
+        if isinstance(item, list):
+            if bucket:
+                yield bucket
+                bucket, size = [], 0
+            yield [(str(n), t.detach()) for n, t in item]
+            continue
+        name, t = item
+        bucket.append((str(name), t.detach()))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 class SGLangEngine:
     """See the module docstring."""
 
@@ -151,7 +218,8 @@ class SGLangEngine:
                  cpu: Optional[bool] = None, log_dir: Optional[str] = None, startup_timeout_s: float = 600.0,
                  request_timeout_s: float = 1800.0, max_retries: int = 5, backoff_s: float = 0.5,
                  backoff_max_s: float = 8.0, weight_bucket_bytes: int = 512 << 20,
-                 weight_transport: Optional[str] = None, python: str = sys.executable):
+                 weight_transport: Optional[str] = None, python: str = sys.executable,
+                 env: Optional[dict] = None):
         if (model_path is None) == (url is None):
             raise ValueError("SGLangEngine needs exactly one of model_path (launch a server) or url (attach)")
         self.request_timeout_s = float(request_timeout_s)
@@ -182,7 +250,7 @@ class SGLangEngine:
             self.url = f"http://{host}:{port}"
             self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python)
             t0 = time.monotonic()
-            self._launch(cpu or _flag_value(self.command, "--device") == "cpu", log_dir)
+            self._launch(cpu or _flag_value(self.command, "--device") == "cpu", log_dir, env)
             try:
                 self._wait_ready(startup_timeout_s)
             except BaseException:
@@ -194,12 +262,19 @@ class SGLangEngine:
         self.tp_size = int(info.get("tp_size", 1) or 1) if isinstance(info, dict) else 1
 
     # ---- process management -------------------------------------------------------------------------------------
-    def _launch(self, cpu_serving: bool, log_dir: Optional[str]) -> None:
+    def _launch(self, cpu_serving: bool, log_dir: Optional[str], extra_env: Optional[dict] = None) -> None:
+        """Start the server. `extra_env` (e.g. {"CUDA_VISIBLE_DEVICES": "2,3"}) is merged over this process's
+        environment; a value of None removes that variable."""
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="opid_sglang_"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = str(log_dir / f"sglang_server_{self.url.rsplit(':', 1)[1]}.log")
         env = dict(os.environ)
         env.pop("SGLANG_USE_CPU_ENGINE", None)
+        for key, value in (extra_env or {}).items():
+            if value is None:
+                env.pop(str(key), None)
+            else:
+                env[str(key)] = str(value)
         if cpu_serving:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIMS_DIR), env.get("PYTHONPATH", "")) if p)
         self._log_file = open(self.log_path, "ab")
@@ -286,8 +361,14 @@ class SGLangEngine:
         raise EngineError(f"SGLang {method} {path} at {self.url} failed after {retries + 1} attempts: {error}")
 
     # ---- protocol -----------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[GenerationResult]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 seeds: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+        """Generate one response per prompt, in prompt order. Prompt i is sampled with seed `seeds[i]` when given,
+        else `sampling.seed + i` (no seed when sampling.seed is None): a caller that splits one batch over several
+        servers (FleetEngine) passes each prompt the seed of its index in the whole batch."""
         prompts = check_prompts(prompt_ids)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         if not prompts:
             return []
         params = []
@@ -296,7 +377,9 @@ class SGLangEngine:
                  "max_new_tokens": int(sampling.max_new_tokens), "skip_special_tokens": False}
             if sampling.stop_token_ids:
                 p["stop_token_ids"] = list(sampling.stop_token_ids)
-            if sampling.seed is not None:
+            if seeds is not None and seeds[i] is not None:
+                p["sampling_seed"] = int(seeds[i])
+            elif sampling.seed is not None:
                 p["sampling_seed"] = int(sampling.seed) + i  # honoured with --enable-deterministic-inference
             params.append(p)
         out = self._request("POST", "/generate", {"input_ids": prompts, "sampling_params": params,
@@ -319,41 +402,167 @@ class SGLangEngine:
         reason = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}.get(kind, FINISH_LENGTH)
         return GenerationResult(ids, lps, reason)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
-        """Stream HF-named tensors into the server: begin_weight_update, update_weights_from_tensor per bucket of
-        about `weight_bucket_bytes`, end_weight_update (all three are required by sglang 0.5.23)."""
-        with self._lock:
+    # ---- weights ------------------------------------------------------------------------------------------------
+    # Every update: pause generation, send, set the weight version, continue (a finally). Tensors are checked against
+    # the served model's manifest (names, shapes, dtype) before they are sent: a bad bucket raises WeightMismatch
+    # and the server keeps the weights it had.
+
+    @property
+    def manifest(self) -> Optional[dict]:
+        """{HF name: (shape, dtype name)} of the served model, from the safetensors headers of its model directory
+        (read once; the dtype is the server's --dtype when given). None when the directory is not readable here (a
+        server on another host): buckets are then sent unchecked."""
+        if not hasattr(self, "_manifest"):
+            self._manifest = None
+            info = self._request("GET", "/model_info", retries=self.max_retries)
+            path = info.get("model_path") if isinstance(info, dict) else None
+            if path and os.path.isdir(path):
+                dtype = _flag_value(getattr(self, "command", []) or [], "--dtype")
+                self._manifest = read_manifest(path, None if dtype in (None, "auto") else dtype)
+        return self._manifest
+
+    def check_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Raise WeightMismatch naming the first tensor whose name, shape or dtype the served model does not have."""
+        check_against_manifest(self.manifest, bucket, self.url)
+
+    def pause_generation(self) -> None:
+        """Stop scheduling generation (in-flight requests are retracted and resume after continue_generation)."""
+        self._post_ok("/pause_generation", {"mode": "retract"})
+
+    def continue_generation(self) -> None:
+        self._post_ok("/continue_generation", {})
+
+    def weight_version(self) -> Optional[str]:
+        """The weight version the server answers under (/model_info; /server_info keeps the launch value)."""
+        info = self._request("GET", "/model_info", retries=self.max_retries)
+        return info.get("weight_version") if isinstance(info, dict) else None
+
+    def _set_version(self, version: Optional[str]) -> None:
+        if version is None:
+            return
+        self._post_ok("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        got = self.weight_version()
+        if got != str(version):
+            raise EngineError(f"SGLang {self.url}: weight version is {got!r} after setting {version!r}")
+
+    def begin_update(self) -> None:
+        """Start a weight update: generation paused, begin_weight_update. Then send_bucket per bucket, end_update."""
+        self._lock.acquire()
+        try:
+            self.pause_generation()
             self._post_ok("/begin_weight_update", {})
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def send_bucket(self, bucket: list) -> int:
+        """Check one bucket against the served model, then send it (update_weights_from_tensor). Returns bytes."""
+        self.check_bucket(bucket)
+        self._send_bucket(bucket, flush_cache=False)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def end_update(self, version: Optional[str] = None, flush_cache: bool = True) -> None:
+        """end_weight_update, flush the cache, set the version, continue generation (also after a failed bucket)."""
+        try:
             try:
-                bucket: list[tuple[str, torch.Tensor]] = []
-                size = 0
-                for name, tensor in named_tensors:
-                    t = tensor.detach()
-                    bucket.append((str(name), t))
-                    size += t.numel() * t.element_size()
-                    if size >= self.weight_bucket_bytes:
-                        self._send_bucket(bucket, flush_cache=False)
-                        bucket, size = [], 0
-                self._send_bucket(bucket, flush_cache=flush_cache)
-            finally:
                 self._post_ok("/end_weight_update", {})
+            finally:
+                try:
+                    if flush_cache:
+                        self._request("POST", "/flush_cache", {}, retries=self.max_retries)
+                finally:
+                    self.continue_generation()
+            self._set_version(version)
+        finally:
+            self._lock.release()
+
+    def update_weights(self, named_tensors: Iterable, flush_cache: bool = True, version: Optional[str] = None) -> int:
+        """Stream HF-named tensors into the server with update_weights_from_tensor: begin_weight_update, one request
+        per bucket of about `weight_bucket_bytes` (or per list, when `named_tensors` yields lists of pairs: buckets
+        made by the caller), end_weight_update (sglang 0.5.23 needs all three); generation is paused meanwhile. A
+        list or tuple of pairs is checked whole before anything is sent; a stream is checked bucket by bucket before
+        each is sent. Returns the bytes sent."""
+        items = named_tensors
+        if isinstance(items, (list, tuple)):  # a whole update given at once: all or nothing
+            self.check_bucket([p for x in items for p in (x if isinstance(x, list) else [x])])
+        sent = 0
+        self.begin_update()
+        ok = False
+        try:
+            for bucket in _buckets(items, self.weight_bucket_bytes):
+                sent += self.send_bucket(bucket)
+            ok = True
+        finally:
+            self.end_update(version if ok else None, flush_cache=flush_cache)
+        return sent
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         if not bucket:
-            if flush_cache:
-                self._request("POST", "/flush_cache", {}, retries=self.max_retries)
             return
-        payload = {"serialized_named_tensors": [serialize_named_tensors(bucket, self.weight_transport)
-                                                for _ in range(self.tp_size)],
-                   "flush_cache": flush_cache}
-        # Not retried: a shared-memory handle can be opened once, so a retry must re-serialize (done by the caller
-        # calling update_weights again).
-        self._post_ok("/update_weights_from_tensor", payload, retries=0)
+        cuda = any(t.is_cuda for _, t in bucket)
+        if cuda:  # colocated GPU engine: SGLang's own serializer (CUDA IPC handles), one payload per engine TP rank
+            from sglang.srt.utils.common import MultiprocessingSerializer
 
-    def update_weights_from_disk(self, model_path: str) -> None:
+            payload = MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in bucket], output_str=True)
+        else:  # CPU: the same wire format with named shared-memory segments (see serialize_named_tensors)
+            payload = serialize_named_tensors(bucket, self.weight_transport)
+        # Not retried: a shared-memory handle can be opened once, so a retry must re-serialize (done by the caller
+        # calling update_weights again). The payload is handles only ("shm"), so sending it tp_size times is free.
+        self._post_ok("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
+                                                      "flush_cache": flush_cache}, retries=0)
+
+    def update_weights_from_disk(self, model_path: str, version: Optional[str] = None) -> None:
         """Reload all weights from an HF directory (same architecture) visible to the server."""
         with self._lock:
-            self._post_ok("/update_weights_from_disk", {"model_path": str(model_path)})
+            self.pause_generation()
+            try:
+                self._post_ok("/update_weights_from_disk", {"model_path": str(model_path)})
+                self._set_version(version)
+            finally:
+                self.continue_generation()
+
+    # update_weights_from_distributed: the trainer's rank 0 is rank 0 of a process group with the server's TP ranks
+    # (NCCL on GPU; gloo works on CPU) and broadcasts each bucket; the server receives it with the names, dtypes and
+    # shapes sent over HTTP first.
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "opid_weights", backend: str = "nccl") -> None:
+        self._post_ok("/init_weights_update_group", {"master_address": master_address, "master_port": int(master_port),
+                                                     "rank_offset": int(rank_offset), "world_size": int(world_size),
+                                                     "group_name": group_name, "backend": backend}, retries=0)
+
+    def update_weights_from_distributed(self, bucket: Sequence[tuple[str, torch.Tensor]], broadcast,
+                                        group_name: str = "opid_weights") -> int:
+        """Send one bucket, between begin_update() and end_update(): the HTTP request (names, dtypes, shapes) runs in
+        a thread while `broadcast(tensors)` starts the asynchronous broadcasts over the update group (it returns their
+        work handles). A refusal by the server raises at once instead of leaving the broadcast waiting forever (the
+        update group is then mid-broadcast: the caller drops it). Returns the bytes sent."""
+        self.check_bucket(bucket)
+        payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                   "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": False}
+        box: dict = {}
+
+        def call():
+            try:
+                box["out"] = self._post_ok("/update_weights_from_distributed", payload, retries=0)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                box["error"] = exc
+
+        th = threading.Thread(target=call, daemon=True)
+        th.start()
+        works = broadcast([t for _, t in bucket]) or []
+        deadline = time.monotonic() + self.request_timeout_s
+        while th.is_alive() or not all(w.is_completed() for w in works):
+            if "error" in box:
+                break
+            if time.monotonic() > deadline:
+                raise EngineError(f"SGLang {self.url}: update_weights_from_distributed did not complete in "
+                                  f"{self.request_timeout_s:.0f} s")
+            time.sleep(0.002)
+        if "error" in box:
+            raise box["error"]
+        for w in works:
+            w.wait()
+        return sum(t.numel() * t.element_size() for _, t in bucket)
 
     def _post_ok(self, path: str, payload: dict, retries: Optional[int] = None) -> dict:
         out = self._request("POST", path, payload, retries=retries)

@@ -1,0 +1,446 @@
+"""Rollout fleet (opid_mega.rollout.fleet).
+
+Fast: the split / ordering / seed / failover / fan-out logic over in-process engines (unit level only), per-prompt
+seeds through a real SGLangEngine against a small recording HTTP server, the launch env and launch_fleet's
+cleanup with real processes. Slow: THREE real SGLang CPU servers (tiny Qwen3, fp32), shared by the module:
+(a) the client-balanced fleet equals one server (greedy tokens, log-probs <= 1e-4) with prompts on both servers;
+(c) the same through sglang-router, then one worker SIGKILLed mid-call; (b) a server SIGKILLed during a client-fleet
+call: every prompt answered, retried_requests > 0, dead_servers == 1, results equal to the run without the kill.
+"""
+import importlib.util
+import json
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from opid_mega.rollout.engine import EngineError, GenerationResult, SamplingParams
+from opid_mega.rollout.fleet import FleetEngine, RouterFleet, launch_fleet
+from opid_mega.rollout.sglang_engine import SGLangEngine
+
+TOL = 1e-4
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+HAVE_ROUTER = importlib.util.find_spec("sglang_router") is not None
+
+
+# ---- unit level: in-process engines ----------------------------------------------------------------------------
+class _Engine:
+    """Answers response_ids = [seed, len(prompt), prompt[0]] after `delay` s; `fail_after` calls succeed, then it
+    raises EngineError (a dead server) on every call."""
+
+    def __init__(self, name, delay=0.0, fail_after=None, error="connection refused"):
+        self.url = f"http://{name}"
+        self.delay, self.fail_after, self.error = delay, fail_after, error
+        self.calls, self.prompts, self.weights, self.shut = 0, 0, [], False
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, sampling, seeds=None):
+        with self.lock:
+            self.calls += 1
+            failing = self.fail_after is not None and self.calls > self.fail_after
+        time.sleep(self.delay)
+        if failing:
+            raise EngineError(f"SGLang POST /generate at {self.url} failed after 6 attempts: {self.error}")
+        with self.lock:
+            self.prompts += len(prompts)
+        return [GenerationResult([s, len(p), p[0]], [0.0, 0.0, 0.0]) for p, s in zip(prompts, seeds)]
+
+    def update_weights(self, named_tensors, **kw):
+        for i, (name, t) in enumerate(named_tensors):
+            if self.fail_after is not None and i >= self.fail_after:
+                raise EngineError(f"{self.url}: update refused")
+            self.weights.append(name)
+
+    def update_weights_from_disk(self, path):
+        if self.fail_after == 0:
+            raise EngineError(f"{self.url}: gone")
+        self.weights.append(path)
+
+    def health(self):
+        return self.fail_after is None
+
+    def shutdown(self):
+        self.shut = True
+
+
+def _prompts(n):
+    return [[100 + i] * (1 + i % 5) for i in range(n)]
+
+
+def test_results_in_prompt_order_with_global_seeds_and_balanced_load():
+    engines = [_Engine("a", 0.01), _Engine("b", 0.01), _Engine("c", 0.01)]
+    fleet = FleetEngine(engines, chunk_prompts=2, max_inflight_prompts=2)
+    out = fleet.generate(_prompts(23), SamplingParams(seed=1000))
+    assert [r.response_ids for r in out] == [[1000 + i, 1 + i % 5, 100 + i] for i in range(23)]
+    assert all(e.prompts > 0 for e in engines) and sum(e.prompts for e in engines) == 23
+    st = fleet.stats()
+    assert [st[f"rollout/server{k}_prompts"] for k in range(3)] == [e.prompts for e in engines]
+    assert st["rollout/retried_requests"] == 0 and st["rollout/dead_servers"] == 0 and st["rollout/servers_alive"] == 3
+    # the same seeds whatever the split; no seed at all when the sampling has none
+    again = FleetEngine(engines[:1], chunk_prompts=5).generate(_prompts(23), SamplingParams(seed=1000))
+    assert [r.response_ids for r in again] == [r.response_ids for r in out]
+    assert fleet.generate(_prompts(3), SamplingParams())[0].response_ids[0] is None
+    assert fleet.generate([], SamplingParams()) == []
+
+
+def test_a_slow_server_gets_less_work():
+    fast, slow = _Engine("fast", 0.005), _Engine("slow", 0.2)
+    FleetEngine([slow, fast], chunk_prompts=1, max_inflight_prompts=1).generate(_prompts(30), SamplingParams(seed=0))
+    assert fast.prompts > 3 * slow.prompts > 0
+
+
+def test_a_dead_server_leaves_rotation_and_its_chunks_are_retried():
+    good, bad = _Engine("good", 0.01), _Engine("bad", 0.01, fail_after=1)
+    fleet = FleetEngine([bad, good], chunk_prompts=3)
+    out = fleet.generate(_prompts(20), SamplingParams(seed=7))
+    assert [r.response_ids for r in out] == [[7 + i, 1 + i % 5, 100 + i] for i in range(20)]  # nothing lost
+    st = fleet.stats()
+    assert st["rollout/dead_servers"] == 1 and st["rollout/servers_alive"] == 1
+    assert st["rollout/retried_requests"] >= 3 and st["rollout/retried_requests"] % 3 == 0
+    assert st["rollout/server0_prompts"] + st["rollout/server1_prompts"] == 20 == bad.prompts + good.prompts
+    assert "connection refused" in fleet.dead_servers()["http://bad"]
+    calls = bad.calls
+    fleet.generate(_prompts(5), SamplingParams())
+    assert bad.calls == calls and fleet.url == "http://good"  # out of rotation for good
+
+
+def test_no_server_left_names_every_server():
+    fleet = FleetEngine([_Engine("a", fail_after=0, error="reset by peer"), _Engine("b", fail_after=0)])
+    with pytest.raises(EngineError, match=r"(?s)no live server left.*http://a: .*reset by peer.*http://b: "):
+        fleet.generate(_prompts(4), SamplingParams())
+    assert fleet.stats()["rollout/dead_servers"] == 2 and not fleet.health()
+
+
+def test_a_rejected_request_is_raised_not_failed_over():
+    bad_request = _Engine("a", fail_after=0, error="x")
+    bad_request.error = None
+    fleet = FleetEngine([bad_request, _Engine("b", fail_after=0)])
+
+    def reject(prompts, sampling, seeds=None):
+        raise EngineError("SGLang POST /generate failed with HTTP 400: prompt too long")
+
+    bad_request.generate = reject
+    fleet.servers[1].engine.generate = reject
+    with pytest.raises(EngineError, match="HTTP 400"):
+        fleet.generate(_prompts(4), SamplingParams())
+    assert fleet.stats()["rollout/dead_servers"] == 0
+    with pytest.raises(ValueError, match="seeds for"):
+        fleet.generate(_prompts(4), SamplingParams(), seeds=[1])
+
+
+def test_weights_are_streamed_once_to_every_server_and_a_failing_one_leaves():
+    a, b, c = _Engine("a"), _Engine("b"), _Engine("c", fail_after=2)
+    fleet = FleetEngine([a, b, c], weight_queue_size=1)
+    read = []
+
+    def tensors():
+        for i in range(6):
+            read.append(i)
+            yield f"w{i}", torch.zeros(2)
+
+    fleet.update_weights(tensors())
+    assert read == list(range(6))  # the caller's iterator is read once
+    assert a.weights == b.weights == [f"w{i}" for i in range(6)]
+    assert fleet.stats()["rollout/dead_servers"] == 1 and "update refused" in fleet.dead_servers()["http://c"]
+    fleet.update_weights_from_disk("/ckpt")
+    assert a.weights[-1] == b.weights[-1] == "/ckpt" and c.weights == ["w0", "w1"]
+
+    def refuse(named_tensors, **kw):  # a tensor the served model does not have: the caller's bug, not a dead server
+        list(named_tensors)
+        raise type("WeightMismatch", (EngineError,), {})("the served model has no tensor 'x'")
+
+    a.update_weights = b.update_weights = refuse
+    with pytest.raises(EngineError, match="no tensor 'x'"):
+        fleet.update_weights(tensors())
+    assert fleet.stats()["rollout/servers_alive"] == 2
+    a.fail_after = b.fail_after = 0
+    with pytest.raises(EngineError, match="no live server left"):
+        fleet.update_weights_from_disk("/ckpt2")
+    fleet.shutdown()
+    assert a.shut and b.shut and c.shut
+
+
+# ---- per-prompt seeds through a real SGLangEngine (HTTP) -------------------------------------------------------
+class _RecordingServer:
+    """Speaks the bits of SGLang's API the engine uses; records every /generate payload and answers each prompt
+    with [its sampling_seed, its first token]."""
+
+    def __init__(self):
+        payloads = self.payloads = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"tp_size": 1} if self.path == "/server_info" else {})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                payloads.append(req)
+                self._send(200, [{"output_ids": [p.get("sampling_seed", -1), ids[0]], "meta_info": {
+                    "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 0, None]] * 2}}
+                    for ids, p in zip(req["input_ids"], req["sampling_params"])])
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_per_prompt_seeds_reach_the_servers():
+    servers = [_RecordingServer(), _RecordingServer()]
+    try:
+        one = SGLangEngine(url=servers[0].url)
+        assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10))] == [[10, 5], [11, 6]]
+        assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10), seeds=[3, 9])] == \
+            [[3, 5], [9, 6]]
+        assert [p["sampling_seed"] for p in servers[0].payloads[-1]["sampling_params"]] == [3, 9]
+        assert one.generate([[5]], SamplingParams())[0].response_ids == [-1, 5]  # no seed sent
+        assert "sampling_seed" not in servers[0].payloads[-1]["sampling_params"][0]
+        with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+            one.generate([[5]], SamplingParams(seed=1), seeds=[1, 2])
+        fleet = FleetEngine([one, SGLangEngine(url=servers[1].url)], chunk_prompts=3)
+        out = fleet.generate([[i] for i in range(14)], SamplingParams(seed=500))
+        assert [r.response_ids for r in out] == [[500 + i, i] for i in range(14)]
+        assert len(servers[1].payloads) > 0 and fleet.stats()["rollout/server1_prompts"] > 0
+    finally:
+        for s in servers:
+            s.close()
+
+
+# ---- launching: env, and a failed start shuts the others down ---------------------------------------------------
+_FAKE_SERVER = r'''#!{python}
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+with open(os.path.join({out!r}, "env_%d" % os.getpid()), "w") as f:
+    json.dump(dict(os.environ), f)
+if os.environ.get("FAKE_FAIL") == "1":
+    sys.exit(3)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        data = json.dumps({{"tp_size": 1}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _fake_python(tmp_path):
+    exe = tmp_path / "fake_python"
+    exe.write_text(_FAKE_SERVER.format(python=sys.executable, out=str(tmp_path)))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return str(exe)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_launch_fleet_env_and_cleanup(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPID_FLEET_TEST_DROP", "x")
+    fake = _fake_python(tmp_path)
+    fleet = launch_fleet("/m", 2, ["--dtype", "float32"], log_dir=str(tmp_path), mem_fraction=0.3,
+                         envs=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1,2",
+                                                                "OPID_FLEET_TEST_DROP": None}],
+                         engine_options={"python": fake, "startup_timeout_s": 30, "cpu": False})
+    pids = [e.pid for e in fleet.engines]
+    envs = [json.loads((tmp_path / f"env_{pid}").read_text()) for pid in pids]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1,2"]
+    assert envs[0]["OPID_FLEET_TEST_DROP"] == "x" and "OPID_FLEET_TEST_DROP" not in envs[1]
+    assert all(e.command[-2:] == ["--mem-fraction-static", "0.3"] for e in fleet.engines)
+    assert fleet.health() and len(set(fleet.urls)) == 2
+    fleet.shutdown()
+    assert not any(_alive(p) for p in pids)
+
+    started = []
+    orig = SGLangEngine._launch
+
+    def record(self, *a, **kw):
+        orig(self, *a, **kw)
+        started.append(self)
+
+    monkeypatch.setattr(SGLangEngine, "_launch", record)
+    with pytest.raises(EngineError, match=r"(?s)server 2 of 3 failed to start.*the others were shut down.*code 3"):
+        launch_fleet("/m", 3, log_dir=str(tmp_path), envs=[{}, {}, {"FAKE_FAIL": "1"}],
+                     engine_options={"python": fake, "startup_timeout_s": 30, "cpu": False})
+    assert len(started) == 3
+    time.sleep(0.2)
+    assert not any(_alive(e.pid) for e in started)  # the two that started are shut down
+
+
+# ---- real SGLang CPU servers -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def servers(tiny_qwen3, tmp_path_factory):
+    if not HAVE_SGLANG:
+        pytest.skip("sglang not installed (tools/install_sglang_cpu.sh)")
+    if torch.cuda.is_available():
+        pytest.skip("this test serves on CPU")
+    t0 = time.monotonic()
+    fleet = launch_fleet(tiny_qwen3, 3, ["--dtype", "float32", "--max-total-tokens", "16384",
+                                         "--max-running-requests", "16", "--disable-radix-cache"],
+                         log_dir=str(tmp_path_factory.mktemp("fleet_logs")),
+                         engine_options={"startup_timeout_s": 300})
+    print(f"\n3 SGLang CPU servers ready in {time.monotonic() - t0:.1f} s")
+    yield fleet.engines
+    fleet.shutdown()
+
+
+def _real_prompts(n=24):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 151000, (int(k),), generator=g).tolist()
+            for k in torch.randint(2, 20, (n,), generator=g)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def reference(servers):
+    """All prompts through server 0 alone, in one call."""
+    return servers[0].generate(_real_prompts(), GREEDY)
+
+
+def _assert_same(out, ref):
+    assert len(out) == len(ref) and all(r is not None for r in out)
+    assert [r.response_ids for r in out] == [r.response_ids for r in ref]
+    assert all(r.finish_reason == "length" and len(r.logprobs) == GREEDY.max_new_tokens for r in out)
+    assert max(abs(x - y) for a, b in zip(out, ref) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+
+
+def _kill_when_busy(fleet, victim, run, busy):
+    """Run `run()` in a thread, SIGKILL `victim`'s process group once `busy()` says it has work in flight, and
+    return run()'s result."""
+    box = {}
+
+    def target():
+        try:
+            box["out"] = run()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not busy() and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.02)
+    assert busy(), "the victim never had requests in flight"
+    time.sleep(0.3)  # mid-generation
+    os.killpg(victim.pid, signal.SIGKILL)
+    t.join(300)
+    assert not t.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+@pytest.mark.slow
+def test_client_fleet_equals_one_server(servers, reference):
+    fleet = FleetEngine(servers[:2], chunk_prompts=3, owns=False)
+    t0 = time.monotonic()
+    out = fleet.generate(_real_prompts(), GREEDY)
+    print(f"client fleet of 2: {len(out)} prompts in {time.monotonic() - t0:.1f} s; {fleet.stats()}")
+    _assert_same(out, reference)
+    st = fleet.stats()
+    assert st["rollout/server0_prompts"] > 0 and st["rollout/server1_prompts"] > 0
+    assert st["rollout/server0_prompts"] + st["rollout/server1_prompts"] == len(out)
+    assert st["rollout/retried_requests"] == 0 and st["rollout/servers_alive"] == 2
+
+
+def _served(engine):
+    """Requests a real server has finished, from its log (SGLang logs one 'POST /generate ... 200' per request)."""
+    with open(engine.log_path, errors="replace") as f:
+        return sum('"POST /generate HTTP/1.1" 200' in line for line in f)
+
+
+def _router_generate_errors(fleet):
+    """Requests the router saw fail on a worker (its log has one ERROR line from routers::http::router each)."""
+    with open(fleet.router_log_path, errors="replace") as f:
+        return sum("ERROR" in line and "routers::http::router" in line for line in f)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_ROUTER, reason="sglang-router not installed (pip install sglang-router)")
+def test_router_fleet_equals_one_server_and_survives_a_dead_worker(servers, reference, tmp_path):
+    victim = servers[2]
+    before = [_served(e) for e in servers]
+    # 4 requests in flight at a time, one prompt each, round robin over the 3 workers: the victim always has work
+    fleet = RouterFleet(servers, router_args=["--policy", "round_robin"], log_dir=str(tmp_path), owns=False,
+                        max_threads=4)
+    try:
+        out = fleet.generate(_real_prompts(), GREEDY)
+        _assert_same(out, reference)
+        spread = [_served(e) - b for e, b in zip(servers, before)]
+        print(f"router: requests per worker {spread}")
+        assert all(n > 0 for n in spread) and sum(spread) == len(out)
+
+        t0 = time.monotonic()
+        out = _kill_when_busy(fleet, victim, lambda: fleet.generate(_real_prompts(), GREEDY),
+                              lambda: _served(victim) > before[2] + spread[2])
+        st, router_errors = fleet.stats(), _router_generate_errors(fleet)
+        print(f"router with a worker SIGKILLed mid-call: {time.monotonic() - t0:.1f} s; {st}; requests that failed "
+              f"on a worker inside the router: {router_errors}")
+        _assert_same(out, reference)
+        assert router_errors + st["rollout/retried_requests"] > 0  # something was in flight on the victim
+        assert st["rollout/router_alive"] == 1
+
+        out = fleet.generate(_real_prompts()[:6], GREEDY)  # finds the dead worker, takes it out of the router
+        _assert_same(out, reference[:6])
+        assert fleet.stats()["rollout/dead_servers"] == 1 and victim.url in fleet.dead_servers()
+        deadline = time.monotonic() + 10
+        while victim.url in fleet.router_workers() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the router removes workers in the background
+        assert sorted(fleet.router_workers()) == sorted([servers[0].url, servers[1].url])
+
+        os.killpg(fleet.router_pid, signal.SIGKILL)  # the router dies: client balancing over the live workers
+        time.sleep(0.3)
+        out = fleet.generate(_real_prompts(), GREEDY)
+        _assert_same(out, reference)
+        st = fleet.stats()
+        assert st["rollout/router_alive"] == 0
+        assert st["rollout/server0_prompts"] > 0 and st["rollout/server1_prompts"] > 0
+    finally:
+        fleet.shutdown()
+    time.sleep(0.2)
+    assert not _alive(fleet.router_pid)
+    assert servers[0].health() and servers[1].health()  # owns=False: the workers are left running
+
+
+@pytest.mark.slow
+def test_client_fleet_loses_nothing_when_a_server_dies(servers, reference):
+    victim = servers[1]
+    assert victim.health(), "the client-fleet kill test needs server 1 alive"
+    fleet = FleetEngine(servers[:2], chunk_prompts=2, max_inflight_prompts=4, owns=False)
+    t0 = time.monotonic()
+    out = _kill_when_busy(fleet, victim, lambda: fleet.generate(_real_prompts(), GREEDY),
+                          lambda: fleet.servers[1].prompts_served > 0 and fleet.servers[1].inflight_prompts > 0)
+    st = fleet.stats()
+    print(f"client fleet with a server SIGKILLed mid-call: {time.monotonic() - t0:.1f} s; {st}")
+    _assert_same(out, reference)
+    assert st["rollout/retried_requests"] > 0 and st["rollout/dead_servers"] == 1
+    assert st["rollout/servers_alive"] == 1 and victim.url in fleet.dead_servers()
+    assert st["rollout/server0_prompts"] + st["rollout/server1_prompts"] == len(out)
