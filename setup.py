@@ -68,6 +68,10 @@ setup(
             "accelerate",
             "tensorboard",
             "matplotlib",
+            # SGLang's router for the rollout fleet's balancer="router" (a Rust HTTP router, device-agnostic)
+            "sglang-router>=0.3.2",
+            # Ray mode of the launcher (tools/launch/ray_launch.py: one actor per rank, placement groups)
+            "ray>=2.10",
         ],
         # GPU machines: Transformer Engine and apex come from NVIDIA's own channels (neither installs on CPU torch).
     },
@@ -78,6 +82,7 @@ setup(
             "opid-eval=opid_mega.cli:eval_main",
             "opid-report=opid_mega.report:main",
             "opid-logprobs=opid_mega.megatron.logprobs_cli:main",
+            "opid-plan=opid_mega.plan:main",
         ]
     },
 )

@@ -110,8 +110,14 @@ def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executa
         raise ValueError("analyzer.backend=llm with an empty analyzer.base_url launches an SGLang server for "
                          "analyzer.model, which is empty: set analyzer.model (an HF directory or hub name) or "
                          "analyzer.base_url (a running OpenAI-compatible server)")
-    return SGLangEngine(cfg.analyzer.model, server_args=list(cfg.analyzer.sglang_args),
-                        log_dir=str(run_dir / "sglang_analyzer"), python=python)
+    args, env = list(cfg.analyzer.sglang_args), None
+    if torch.cuda.is_available():  # never on a training GPU by accident: deploy.analyzer_gpus, checked
+        from opid_mega.placement import node_placement
+
+        gpus = node_placement(cfg.deploy, analyzer_launched=True).analyzer_gpus
+        args, env = server_args(cfg, args, gpus, cfg.deploy.analyzer_mem_fraction)
+    return SGLangEngine(cfg.analyzer.model, server_args=args, log_dir=str(run_dir / "sglang_analyzer"),
+                        python=python, env=env)
 
 
 def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_server):
@@ -140,15 +146,76 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
         raise
 
 
-def build_engine(cfg: Config, hf_dir: str):
+def server_args(cfg: Config, extra: list, gpus: list, mem_fraction: float) -> tuple[list, Optional[dict]]:
+    """(launch_server arguments, environment) of one server the trainer starts. On a GPU machine the server gets
+    its GPUs (CUDA_VISIBLE_DEVICES), --tp and --mem-fraction-static (unless `extra` sets them) and, for colocated
+    rollout servers whose memory is released between phases, --enable-memory-saver. On CPU: the CPU defaults of
+    opid_mega.rollout.sglang_engine."""
+    from opid_mega.rollout.sglang_engine import _has_flag
+
+    args = list(extra)
+    if not torch.cuda.is_available():
+        return args, None
+    for flag, value in (("--tp", str(len(gpus))), ("--mem-fraction-static", str(mem_fraction))):
+        if not _has_flag(args, flag) and not (flag == "--tp" and _has_flag(args, "--tp-size")):
+            args += [flag, value]
+    return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
+def launch_node_servers(cfg: Config, hf_dir: str) -> list:
+    """This node's rollout servers (deploy.rollout_servers_per_node, placed by opid_mega.placement), started by the
+    node's first rank; empty when rollout.engine is local or rollout.sglang_url attaches to running servers."""
+    from opid_mega.placement import node_placement
+    from opid_mega.rollout.fleet import launch_fleet
+
+    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang_url or not cfg.deploy.rollout_servers_per_node:
+        return []
+    groups = node_placement(cfg.deploy).rollout_groups if torch.cuda.is_available() \
+        else [[] for _ in range(cfg.deploy.rollout_servers_per_node)]
+    memory_saver = cfg.deploy.mode == "colocated" and cfg.deploy.release_engine_memory and torch.cuda.is_available()
+    launches = [server_args(cfg, list(cfg.rollout.sglang_args) + (["--enable-memory-saver"] if memory_saver else []),
+                            g, cfg.deploy.rollout_mem_fraction) for g in groups]
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    fleet = launch_fleet(hf_dir, len(groups), launches[0][0], log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
+                         envs=[env for _, env in launches], balancer="client")
+    print(f"opid-train: node {node}: {len(groups)} rollout server(s) at {', '.join(fleet.urls)}", flush=True)
+    return list(fleet.engines)
+
+
+def build_engine(cfg: Config, hf_dir: str, servers: list, urls: list):
+    """Global rank 0's rollout engine: the local engine; one SGLang server (launched or attached); or a fleet of
+    every node's servers (`urls`, gathered from the nodes' first ranks; those launched here are `servers`) behind
+    our client balancer or SGLang's router (deploy.balancer). rollout.sglang_url may list several servers,
+    comma-separated."""
     from opid_mega.rollout.factory import make_engine
+    from opid_mega.rollout.fleet import FleetEngine, RouterFleet
 
     if cfg.rollout.engine == "local":
         return make_engine("local", hf_dir, dtype=cfg.model.dtype)
-    if cfg.rollout.sglang_url:  # attach to a running server (it must serve the weights in hf_dir)
-        return make_engine("sglang", None, url=cfg.rollout.sglang_url)
-    return make_engine("sglang", hf_dir, server_args=list(cfg.rollout.sglang_args),
-                       log_dir=os.path.join(cfg.logging.run_dir, "sglang"))
+    if cfg.rollout.sglang_url:
+        urls = [u.strip() for u in cfg.rollout.sglang_url.split(",") if u.strip()]
+    own = {e.url: e for e in servers}
+    engines = [own.get(u) or make_engine("sglang", None, url=u) for u in urls]
+    if len(engines) == 1 and cfg.deploy.balancer == "client":
+        return engines[0]
+    if cfg.deploy.balancer == "router":
+        return RouterFleet(engines, router_args=list(cfg.deploy.router_args),
+                           log_dir=os.path.join(cfg.logging.run_dir, "sglang"))
+    return FleetEngine(engines)
+
+
+def gather_server_urls(servers: list) -> list:
+    """Every node's rollout server URLs, in node order (a collective on the control group)."""
+    import torch.distributed as dist
+
+    from opid_mega.megatron.parallel import control_group
+
+    mine = [e.url for e in servers]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=control_group())
+    return [u for part in everyone for u in part]
 
 
 def resolve_init(cfg: Config) -> str:
@@ -338,12 +405,18 @@ class Trainer:
             self.start, state = self.policy.load(self.ckpt_dir)
             self.skill_bank = state.get("skill_bank", {})
             self.analysis_failures = state.get("analysis_failures", 0)
-        self.engine = build_engine(cfg, hf_dir) if self.rank0 else None
+        # every node's first rank launches that node's rollout servers; global rank 0 drives all of them
+        self.servers = launch_node_servers(cfg, hf_dir) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else []
+        urls = gather_server_urls(self.servers)
+        self.engine = build_engine(cfg, hf_dir, self.servers, urls) if self.rank0 else None
         self.loop = build_agent_loop(cfg, self.engine, self.tokenizer, hf_dir) if self.rank0 else None
         wait_for_rank0()  # rank 0 may have spent minutes launching servers
         from opid_mega.megatron.weight_sync import WeightSync
 
+        from opid_mega.megatron.colocate import Colocation
+
         self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer)
+        self.colocation = Colocation(cfg, self.policy, self.engine)  # no-op unless colocated on GPU
         if resume:
             self.sync_weights(self.start)
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
@@ -389,6 +462,7 @@ class Trainer:
 
         # 1. rollout: B tasks x G trajectories (task draw and sampling seeds depend only on seed and iteration)
         with timer("rollout"):
+            self.colocation.before_rollout()
             tasks = self.env0.tasks(cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed * 7919 + it)
             G = cfg.rollout.group_size
             # skill_grpo: every rollout of task t carries the episode skill of t's OWN latest analysis (none yet: none)
@@ -397,6 +471,7 @@ class Trainer:
             batch = broadcast(lambda: play(self.loop, cfg, tasks, G, cfg.rollout.temperature,
                                            seed=cfg.train.seed * 100_003 + it, skills=skills))
             audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
+            self.colocation.after_rollout()
         # a trajectory whose env raised was ended by the loop; it is left out (a simulator fault is no outcome)
         trajs = [t for t in batch.trajectories if not t.env_error]
         samples = [(ti, si, s) for ti, t in enumerate(trajs) for si, s in enumerate(t.steps)]
@@ -463,6 +538,7 @@ class Trainer:
 
         # 7. weight sync to the rollout engine
         with timer("weight_sync"):
+            self.colocation.before_sync()
             sync = self.sync_weights(it)
 
         # 8. metrics
@@ -480,6 +556,7 @@ class Trainer:
             "train/episode_length": mean(len(t.steps) for t in trajs),
             "train/invalid_rate": float(invalid.mean()),
             "train/step_samples": len(samples),
+            "rollout/trajectories": len(batch.trajectories),
             "rollout/env_errors": sum(t.env_error for t in batch.trajectories),
             "adv/outcome_abs_mean": out_abs,
             "adv/skill_abs_mean": skill_abs,
@@ -606,9 +683,10 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False) -> P
         how = f"resume with: opid-train --resume {run}" if last is not None else "nothing to resume: start it again"
         raise TrainingInterrupted(f"interrupted {where}; {ckpt}; {how}") from None
     finally:
-        if trainer is not None and trainer.engine is not None:
-            try:
-                trainer.engine.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        for owned in ([trainer.engine] + list(getattr(trainer, "servers", []))) if trainer is not None else []:
+            if owned is not None:
+                try:
+                    owned.shutdown()
+                except Exception:  # noqa: BLE001
+                    pass
     return trainer.run_dir

@@ -45,7 +45,12 @@ class WeightSyncError(RuntimeError):
 
 
 def _engines(engine) -> list:
-    return list(getattr(engine, "engines", None) or ([engine] if engine is not None else []))
+    """The engines a sync feeds: a fleet's servers still in rotation, or the one engine."""
+    if engine is None:
+        return []
+    if hasattr(engine, "live_engines"):
+        return list(engine.live_engines)
+    return [engine]
 
 
 def _is_local(url: str) -> bool:
@@ -71,6 +76,7 @@ def check_tolerance(tol: float, dtype: str) -> float:
 class WeightSync:
     def __init__(self, policy, engine, cfg, run_dir: str, tokenizer=None):
         self.policy, self.cfg = policy, cfg
+        self.engine = engine
         self.engines = _engines(engine)
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.method = resolve_method(cfg.sync.method, cfg.deploy.mode, self.engines) if self.rank0 else None
@@ -89,6 +95,7 @@ class WeightSync:
     # ---- the collective -----------------------------------------------------------------------------------------
     def __call__(self, version: Optional[int] = None) -> dict:
         self.version = self.version + 1 if version is None else int(version)
+        self.engines = _engines(self.engine)  # a fleet may have lost a server since the last sync
         t0 = time.perf_counter()
         sent = self._transfer() if self._sender() else 0
         out = {"weight_sync/version": self.version, "weight_sync/bytes": sent,

@@ -138,6 +138,11 @@ class FleetEngine:
         return [s.engine for s in self.servers]
 
     @property
+    def live_engines(self) -> list:
+        """The engines still in rotation (weight syncs go to these)."""
+        return [s.engine for s in self._live()]
+
+    @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
@@ -423,6 +428,12 @@ class RouterFleet(FleetEngine):
                         "--port", str(self.router_port)]
         if not _has_flag(router_args, "--worker-startup-check-interval"):
             self.command += ["--worker-startup-check-interval", "1"]  # default 30 s: the workers are up already
+        # the router's Prometheus metrics (its own retries of failed worker requests) on a port of our own (the
+        # default 29000 would clash between two runs on one host)
+        self.metrics_port = None
+        if not _has_flag(router_args, "--prometheus-port"):
+            self.metrics_port = free_port()
+            self.command += ["--prometheus-port", str(self.metrics_port), "--prometheus-host", host]
         self.command += [str(a) for a in router_args]
         self.router_alive = True
         self.router_error: Optional[str] = None
@@ -547,8 +558,12 @@ class RouterFleet(FleetEngine):
             proc = getattr(s.engine, "_proc", None)
             if proc is not None and proc.poll() is not None:
                 self._mark_dead(s, f"server process exited with code {proc.returncode}")
-                if self.router_alive:
-                    self._remove_from_router(s)
+            elif proc is None and not s.engine.health():  # attached (another node's): one /health probe
+                self._mark_dead(s, "failed its health check before a generate call")
+            else:
+                continue
+            if self.router_alive:
+                self._remove_from_router(s)
         if self.router_alive and self._router_proc.poll() is not None:
             self.router_alive = False
             self.router_error = f"router exited with code {self._router_proc.returncode}"
@@ -567,9 +582,29 @@ class RouterFleet(FleetEngine):
         listing = requests.get(self.router_url + "/workers", timeout=10).json()
         return [str(w.get("url", "")).rstrip("/") for w in listing.get("workers", [])]
 
+    def router_retries(self) -> Optional[int]:
+        """Requests the router re-sent to another worker after a worker failed (its smg_worker_retries_total)."""
+        if self.metrics_port is None or not self.router_alive:
+            return None
+        try:
+            text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        except requests.RequestException:
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("smg_worker_retries_total"):
+                try:
+                    total += float(line.rsplit(None, 1)[1])
+                except (IndexError, ValueError):
+                    pass
+        return int(total)
+
     def stats(self) -> dict:
         out = super().stats()
         out["rollout/router_alive"] = int(self.router_alive)
+        retries = self.router_retries()
+        if retries is not None:
+            out["rollout/router_retries"] = retries
         return out
 
     def _stop_router(self) -> None:

@@ -57,6 +57,8 @@ CPU_DEFAULT_ARGS = (
     ("--sleep-on-idle", None),
 )
 _TRANSIENT_STATUS = (502, 503, 504)
+_TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def free_port() -> int:
@@ -270,6 +272,12 @@ class SGLangEngine:
         self.log_path = str(log_dir / f"sglang_server_{self.url.rsplit(':', 1)[1]}.log")
         env = dict(os.environ)
         env.pop("SGLANG_USE_CPU_ENGINE", None)
+        # A server started by a torchrun rank must not inherit that rank's torch.distributed identity: with
+        # TORCHELASTIC_USE_AGENT_STORE / MASTER_PORT set, its own process group joins the trainer's rendezvous store
+        # and "Init parallel" hangs.
+        for key in list(env):
+            if key in _TORCH_DIST_ENV or key.startswith("TORCHELASTIC_"):
+                del env[key]
         for key, value in (extra_env or {}).items():
             if value is None:
                 env.pop(str(key), None)
@@ -431,6 +439,14 @@ class SGLangEngine:
 
     def continue_generation(self) -> None:
         self._post_ok("/continue_generation", {})
+
+    def release_memory(self, tags: Optional[list] = None) -> None:
+        """Colocated GPU serving: free the server's weights and/or KV cache (tags "weights", "kv_cache"; None: both).
+        Needs --enable-memory-saver."""
+        self._post_ok("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: Optional[list] = None) -> None:
+        self._post_ok("/resume_memory_occupation", {"tags": tags})
 
     def weight_version(self) -> Optional[str]:
         """The weight version the server answers under (/model_info; /server_info keeps the launch value)."""

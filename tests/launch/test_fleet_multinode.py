@@ -1,0 +1,80 @@
+"""Issue 14 acceptance: a 4-rank launch through tools/launch/torchrun.sh (2 simulated nodes x 2 ranks, c10d on
+localhost), each node's first rank launching one real SGLang CPU server, global rank 0 driving both behind SGLang's
+router (round robin); 2 iterations. During iteration 1's rollout one server is frozen (SIGSTOP, so requests are in
+flight on it) and then killed (SIGKILL): every trajectory of both iterations is there, the run completes (weight
+syncs go to the server left; the probe check runs after the first one), and the metrics count the dead server and
+the re-sent requests (the router's own retries and the fleet's)."""
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .test_launch import BASE_ENV, CONFIG, LAUNCH, free_port, metrics
+
+ARGS = ["model.init_from=", "rollout.engine=sglang", "rollout.tasks_per_iter=2", "rollout.group_size=2",
+        "env.max_steps=3", "rollout.max_response_tokens=24", "eval.interval=0", "eval.num_tasks=0",
+        "train.iterations=2", "train.save_interval=0", "train.micro_batch_tokens=1024", "train.mini_batch_size=8",
+        "logging.tensorboard=false", "logging.progress=false", "parallel.tp=2",
+        "deploy.rollout_servers_per_node=1", "deploy.balancer=router", "deploy.router_args=[--policy,round_robin]",
+        "rollout.sglang_args=[--dtype,float32,--max-total-tokens,4096,--max-running-requests,8,"
+        "--disable-radix-cache]", "sync.check_interval=1"]
+
+
+def _server_pid(log: Path) -> int:
+    port = re.search(r"--port (\d+)", log.read_text(errors="replace").splitlines()[0]).group(1)
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "sglang.launch_server" in cmd and f"--port {port} " in cmd + " ":
+                return int(d)
+    raise AssertionError(f"no server process for {log}")
+
+
+def _generates(log: Path) -> int:
+    return log.read_text(errors="replace").count("POST /generate")
+
+
+@pytest.mark.slow
+def test_two_nodes_two_servers_behind_router_lose_no_trajectory(tmp_path):
+    run = tmp_path / "run"
+    env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"localhost:{free_port()}",
+           "RDZV_ID": "fleet", "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "--run-dir", str(run)] + ARGS
+    procs = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 600
+        logs = []
+        while time.monotonic() < deadline and not (len(logs) == 2 and all(_generates(x) >= 2 for x in logs)):
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+            logs = sorted((run / "sglang").glob("sglang_server_*.log")) if (run / "sglang").exists() else []
+            time.sleep(0.2)
+        assert len(logs) == 2, "two rollout servers (one per node) did not both serve"
+        victim = _server_pid(logs[1])
+        pgid = os.getpgid(victim)
+        os.killpg(pgid, signal.SIGSTOP)  # requests routed to it now hang in flight
+        time.sleep(3)
+        os.killpg(pgid, signal.SIGKILL)
+        outs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-4000:] for o in outs)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/trajectories"] == 4 and r["rollout/env_errors"] == 0  # no trajectory lost
+        assert r["weight_sync/version"] == r["step"] and r["weight_sync/probe_max_abs_diff"] <= 1e-3
+    last = rows[-1]
+    assert last["rollout/dead_servers"] == 1 and last["rollout/servers_alive"] == 1
+    resent = last["rollout/retried_requests"] + last.get("rollout/router_retries", 0)
+    assert resent >= 1, last
+    print({k: v for k, v in last.items() if k.startswith(("rollout/", "weight_sync/"))})

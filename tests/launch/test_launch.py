@@ -1,0 +1,251 @@
+"""tools/launch: opid-train through torchrun.sh (c10d rendezvous), the SLURM template and Ray, for real.
+
+Multi-node is simulated on one machine: two torchrun agents ("nodes") on localhost meet at one c10d rendezvous
+store; the SLURM template runs with fake `scontrol` / `srun` on PATH (srun starts its command once per node with
+SLURM_NODEID set, in parallel, as SLURM does); Ray mode starts a local Ray instance. Every run is the tiny CPU config
+with a random tiny model, 1 iteration, and must write that iteration's metrics.
+"""
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "tools" / "launch"
+CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
+# random tiny Qwen3 (no warm start), 1 task x 2 trajectories of <= 2 steps, 1 iteration, no evaluation or checkpoint
+TINY = ["model.init_from=", "rollout.tasks_per_iter=1", "rollout.group_size=2", "env.max_steps=2",
+        "rollout.max_response_tokens=8", "eval.interval=0", "eval.num_tasks=0", "train.iterations=1",
+        "train.save_interval=0", "train.micro_batch_tokens=512", "train.mini_batch_size=2",
+        "logging.tensorboard=false", "logging.progress=false"]
+BASE_ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHON": sys.executable}
+for _k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NNODES",
+           "NODE_RANK", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RDZV_ID", "OMP_NUM_THREADS", "RAY_ADDRESS"):
+    BASE_ENV.pop(_k, None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> list:
+    path = run_dir / "metrics.jsonl"
+    assert path.exists(), f"no metrics.jsonl in {run_dir}: {sorted(p.name for p in run_dir.iterdir())}"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_one_iteration(run_dir: Path) -> None:
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["train/step_samples"] >= 2 and rows[0]["ppo/loss"] == rows[0]["ppo/loss"]  # not NaN
+    assert (run_dir / "config.yaml").exists() and (run_dir / "audit.jsonl").exists()
+
+
+def rendezvous_results(log: str) -> list:
+    """torchrun's rendezvous results (LOGLEVEL=INFO; one field per log line): one dict per rendezvous of an agent."""
+    fields = re.findall(r"\s(group_rank|group_world_size|global_ranks|global_world_sizes)=(\d+|\[[\d, ]*\])$", log,
+                        re.M)
+    out = []
+    for name, value in fields:
+        if name == "group_rank":
+            out.append({})
+        out[-1][name] = int(value) if value.isdigit() else [int(x) for x in value.strip("[]").split(",")]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fast: syntax, the printed commands, the pre-start checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_scripts_parse():
+    for name in ("torchrun.sh", "opid.sbatch"):
+        r = subprocess.run(["bash", "-n", str(LAUNCH / name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    assert os.access(LAUNCH / "torchrun.sh", os.X_OK)
+    sbatch = (LAUNCH / "opid.sbatch").read_text()
+    for directive in ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"):
+        assert directive in sbatch
+
+
+def test_torchrun_sh_prints_the_command_per_node():
+    env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": "head:29400", "RDZV_ID": "job7",
+           "OPID_LAUNCH_DRY_RUN": "1"}
+    lines = {}
+    for node in (0, 1):
+        r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=2", "train.iterations=3"],
+                           env={**env, "NODE_RANK": str(node)}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines[node] = r.stderr.strip().splitlines()[-1]
+    for node, line in lines.items():
+        assert f"node {node}/2" in line
+        assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 2" in line
+        assert "--rdzv-backend c10d --rdzv-endpoint head:29400 --rdzv-id job7" in line
+        assert f"--rdzv-conf is_host={int(node == 0)}" in line
+        assert line.endswith(f"-m opid_mega.cli --config {CONFIG} parallel.tp=2 train.iterations=3")
+    # 2 cores here, 2 ranks per node: each rank gets its share (not torchrun's forced 1 on a bigger machine)
+    from opid_mega.cli import available_cores
+
+    assert f"OMP_NUM_THREADS={max(1, available_cores() // 2)}:" in lines[0]
+
+
+def test_torchrun_sh_stops_on_a_bad_layout_or_key_before_torchrun():
+    env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": "localhost:1"}
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=3"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "opid-train (2 node(s) x 2 rank(s) = world 4): tp=3 does not divide the 4 attention heads of tiny-qwen3"]
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tpp=2"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "config error: parallel.tpp" in r.stderr and "torch.distributed.run" not in r.stderr
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG], env={**env, "NODE_RANK": "2"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "NODE_RANK=2" in r.stderr
+
+
+def fake_slurm(tmp_path: Path, nodes: int) -> dict:
+    """scontrol and srun stand-ins on PATH and the variables sbatch would set for a `nodes`-node job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\n'
+        '# scontrol show hostnames a,b,... -> one host per line\n'
+        '[[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
+        'tr "," "\\n" <<< "$3"\n')
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\n'
+        '# srun --nodes=N ... CMD ARGS: CMD once per node, in parallel, SLURM_NODEID/SLURM_PROCID set; fails if one does\n'
+        'n=1; while [[ "$1" == --* ]]; do case "$1" in --nodes=*) n="${1#--nodes=}";; esac; shift; done\n'
+        'echo "$*" > "$FAKE_SRUN_LOG.cmd"\n'
+        'pids=(); for ((i = 0; i < n; i++)); do\n'
+        '  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" > "$FAKE_SRUN_LOG.$i" 2>&1 & pids+=($!)\n'
+        'done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n')
+    for f in ("scontrol", "srun"):
+        (bin_dir / f).chmod((bin_dir / f).stat().st_mode | stat.S_IEXEC)
+    return {**BASE_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": ",".join(["localhost"] * nodes), "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_NNODES": str(nodes), "SLURM_SUBMIT_DIR": str(ROOT), "FAKE_SRUN_LOG": str(tmp_path / "srun")}
+
+
+def test_sbatch_template_generates_one_torchrun_per_node(tmp_path):
+    env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "h100:8", "OPID_LAUNCH_DRY_RUN": "1"}
+    env["SLURM_JOB_NODELIST"] = "gpu-a,gpu-b"  # a dry run resolves no host
+    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "parallel.tp=2", "parallel.pp=2"],
+                       env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + "".join((tmp_path / f"srun.{i}").read_text() for i in range(2))
+    assert "rendezvous gpu-a:29400" in r.stderr
+    for node in (0, 1):
+        line = (tmp_path / f"srun.{node}").read_text().strip().splitlines()[-1]
+        assert f"node {node}/2" in line and "--nnodes 2 --nproc-per-node 8" in line
+        assert "--rdzv-endpoint gpu-a:29400 --rdzv-id opid-4242" in line and f"is_host={int(node == 0)}" in line
+        assert line.endswith(f"-m opid_mega.cli --config {CONFIG} parallel.tp=2 parallel.pp=2")  # DP4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# slow: real launches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_sh_two_nodes_of_two_ranks_on_localhost(tmp_path):
+    """4 ranks as 2 simulated nodes x 2 over one c10d rendezvous, TP2 x PP2 (so the run needs all 4 ranks in one
+    world: two separate 2-rank worlds could not hold the layout)."""
+    run_dir = tmp_path / "run"
+    env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"localhost:{free_port()}",
+           "RDZV_ID": "test-2x2", "LOGLEVEL": "INFO"}
+    cmd = [str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "--run-dir", str(run_dir)] + TINY + \
+          ["parallel.tp=2", "parallel.pp=2"]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    print(f"2 nodes x 2 ranks: {time.monotonic() - t0:.1f} s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    results = [rendezvous_results(log) for log in logs]
+    assert all(len(r) == 1 for r in results), logs
+    (a,), (b,) = results
+    assert {a["group_rank"], b["group_rank"]} == {0, 1} and a["group_world_size"] == b["group_world_size"] == 2
+    assert set(a["global_world_sizes"] + b["global_world_sizes"]) == {4} and sorted(a["global_ranks"] + b["global_ranks"]) == [0, 1, 2, 3]
+    assert_one_iteration(run_dir)
+
+
+@pytest.mark.slow
+def test_sbatch_template_runs_two_nodes_on_localhost(tmp_path):
+    """The template's own command path (scontrol -> head node, srun -> torchrun.sh per node with NODE_RANK from
+    SLURM_NODEID) with 2 simulated nodes x 1 rank (DP2) on localhost."""
+    run_dir = tmp_path / "run"
+    env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "1", "RDZV_PORT": str(free_port())}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "--run-dir", str(run_dir)] + TINY,
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    print(f"sbatch, 2 nodes x 1 rank: {time.monotonic() - t0:.1f} s")
+    logs = [(tmp_path / f"srun.{i}").read_text() for i in range(2)]
+    assert r.returncode == 0, r.stderr + "\n".join(x[-3000:] for x in logs)
+    for node, log in enumerate(logs):
+        assert f"torchrun.sh: node {node}/2" in log and f"is_host={int(node == 0)}" in log
+    assert "opid-train: done" in "".join(logs)
+    assert_one_iteration(run_dir)
+
+
+@pytest.mark.slow
+def test_ray_launch_two_ranks_local_cluster(tmp_path):
+    """2 ranks as 2 simulated nodes x 1 (two STRICT_PACK placement groups on the one local Ray node), DP2."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--nodes", "2", "--trainers-per-node", "1",
+                        "--timeout", "400",
+                        "--config", CONFIG, "--run-dir", str(run_dir)] + TINY,
+                       env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=480)
+    print(f"ray, 2 nodes x 1 rank: {time.monotonic() - t0:.1f} s")
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert "ray_launch.py: 2 rank(s) (2 x 1), bundles {'CPU': 1}" in r.stderr, r.stderr[-4000:]
+    assert re.search(r"rank 0: node 0 local rank 0/1 on [\d.]+\n", r.stderr)
+    assert re.search(r"rank 1: node 1 local rank 0/1 on [\d.]+\n", r.stderr)
+    assert "all 2 rank(s) finished" in r.stderr
+    assert_one_iteration(run_dir)
+
+
+@pytest.mark.slow
+def test_ray_launch_names_the_failing_rank(tmp_path):
+    """Rank 0 fails (its run directory is a file, so it cannot create it) while rank 1 waits for it on a collective:
+    the launcher names rank 0 and its error, stops rank 1 at once (no waiting for a collective's timeout) and
+    removes the placement group."""
+    pytest.importorskip("ray")
+    blocker = tmp_path / "run"
+    blocker.write_text("not a directory")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--trainers-per-node", "2", "--timeout", "300",
+                        "--config", CONFIG, "--run-dir", str(blocker)] + TINY,
+                       env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    print(f"ray, failing rank 0: {time.monotonic() - t0:.1f} s")
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert "ray_launch.py: rank 0 failed: FileExistsError" in r.stderr, r.stderr[-4000:]
+    assert "all 2 rank(s) finished" not in r.stderr and time.monotonic() - t0 < 250
+
+
+def test_ray_launch_stops_on_a_bad_layout_before_starting_ray(tmp_path):
+    r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--nodes", "2", "--trainers-per-node", "2",
+                        "--config", CONFIG, "parallel.tp=3"], env=BASE_ENV, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "opid-train (2 node(s) x 2 rank(s) = world 4): tp=3 does not divide the 4 attention heads of tiny-qwen3"]

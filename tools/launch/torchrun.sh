@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# opid-train under torchrun (torch.distributed.run) with c10d rendezvous: one node or many.
+#
+#   tools/launch/torchrun.sh --config configs/x.yaml [--run-dir D | --resume RUN_DIR] [key=value ...]
+#
+# Everything after the script name goes to opid-train verbatim. Run it once per node (by hand, or `srun` in
+# tools/launch/opid.sbatch); each node's torchrun agent starts NPROC_PER_NODE ranks of opid-train and the agents meet
+# at RDZV_ENDPOINT.
+#
+# Environment (defaults in brackets):
+#   NNODES          nodes in the job [1]
+#   NPROC_PER_NODE  ranks per node [the node's GPUs; 1 on a CPU machine]
+#   NODE_RANK       this node's index, 0 = the node at RDZV_ENDPOINT [unset]. With c10d rendezvous torchrun itself
+#                   numbers the nodes (sorted by host name), so NODE_RANK only decides which node hosts the
+#                   rendezvous store (--rdzv-conf is_host=1 on node 0, 0 elsewhere); unset, torchrun hosts it on the
+#                   node whose host name/address matches RDZV_ENDPOINT. With RDZV_BACKEND=static it is the node rank.
+#   RDZV_ENDPOINT   host:port of the rendezvous store [1 node: localhost and a free port; more: localhost:29400]
+#   RDZV_ID         the job's rendezvous id, the same on every node [$SLURM_JOB_ID, else opid-<user>]
+#   RDZV_BACKEND    c10d | static [c10d]
+#   MAX_RESTARTS    torchrun --max-restarts [0]
+#   PYTHON          the interpreter [python3 on PATH]
+#   OMP_NUM_THREADS torch threads per rank [the cores this node may use / NPROC_PER_NODE, as opid-train's own]
+#   OPID_LAUNCH_DRY_RUN=1  check and print the torchrun command, do not run it
+#
+# Before anything starts, tools/launch/preflight.py loads the config with the same arguments and checks the parallel
+# layout for the world size NNODES x NPROC_PER_NODE: a bad key or layout ends here with one line and exit code 2
+# (the same check opid-train makes in every rank, without waiting for the other nodes).
+# Verified on one machine as 2 simulated nodes x 2 ranks (tests/launch/test_launch.py).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python3}"
+NNODES="${NNODES:-1}"
+RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+
+case "$RDZV_BACKEND" in c10d|static) ;; *) echo "torchrun.sh: RDZV_BACKEND=$RDZV_BACKEND, allowed: c10d, static" >&2; exit 2 ;; esac
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then echo "torchrun.sh: NNODES=$NNODES, allowed: an integer >= 1" >&2; exit 2; fi
+if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+  echo "torchrun.sh: NPROC_PER_NODE=$NPROC_PER_NODE, allowed: an integer >= 1" >&2; exit 2
+fi
+if [[ -n "${NODE_RANK:-}" ]] && ! [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]]; then
+  echo "torchrun.sh: NODE_RANK=$NODE_RANK, allowed: 0 .. NNODES-1 = $((NNODES - 1))" >&2; exit 2
+fi
+
+# config + layout check for this world size; prints "NPROC_PER_NODE THREADS_PER_RANK"
+read -r NPROC THREADS < <("$PYTHON" "$HERE/preflight.py" --nnodes "$NNODES" --nproc-per-node "${NPROC_PER_NODE:-auto}" -- "$@" || echo FAIL)
+if [[ "$NPROC" == FAIL || -z "$NPROC" ]]; then exit 2; fi  # preflight printed why
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"  # else torchrun forces 1 thread on every rank
+
+if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+  if [[ "$NNODES" == 1 ]]; then
+    RDZV_ENDPOINT="localhost:$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+  else
+    RDZV_ENDPOINT="localhost:29400"
+  fi
+fi
+RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-opid-${USER:-$(id -un)}}}"
+
+cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
+if [[ "$RDZV_BACKEND" == static ]]; then
+  host="${RDZV_ENDPOINT%:*}" port="${RDZV_ENDPOINT##*:}"
+  cmd+=(--rdzv-backend static --node-rank "${NODE_RANK:-0}" --master-addr "$host" --master-port "$port")
+else
+  cmd+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
+  if [[ -n "${NODE_RANK:-}" ]]; then
+    cmd+=(--rdzv-conf "is_host=$([[ "$NODE_RANK" == 0 ]] && echo 1 || echo 0)")
+  fi
+fi
+cmd+=(-m opid_mega.cli "$@")  # opid_mega.cli is opid-train's entry point (train_main)
+
+echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS: $(printf '%q ' "${cmd[@]}")" >&2
+if [[ "${OPID_LAUNCH_DRY_RUN:-0}" == 1 ]]; then exit 0; fi
+exec "${cmd[@]}"
