@@ -39,7 +39,7 @@ _CONTROL = None  # the gloo control group (see control_group)
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: float = 300,
-               backend: str = "auto", control_timeout_s: float = 86400) -> None:
+               backend: str = "auto", control_timeout_s: float = 86400, gpu_ids: list | None = None) -> None:
     """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp).
     ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`). ``timeout_s`` bounds every collective of the
     training groups (a hung rank fails the run after it); ``control_timeout_s`` bounds the waits on the control
@@ -48,8 +48,12 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     backend = resolve_backend(backend)
     cpu = cpu_compat.apply()
     if not dist.is_initialized():
-        if not cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not cpu:  # local rank i -> gpu_ids[i] (opid_mega.placement: the node's training GPUs), else GPU i
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if gpu_ids and local >= len(gpu_ids):
+                raise ValueError(f"local rank {local} has no training GPU: this node's training GPUs are {gpu_ids} "
+                                 "(deploy.train_gpus_per_node); start as many ranks per node as training GPUs")
+            torch.cuda.set_device(gpu_ids[local] if gpu_ids else local)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             # A lone process hosts its own rendezvous: take a fresh port rather than one inherited from a parent

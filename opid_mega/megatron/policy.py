@@ -34,7 +34,8 @@ class Policy:
                      world=torch.distributed.get_world_size() if torch.distributed.is_initialized()
                      else int(os.environ.get("WORLD_SIZE", "1")))
         parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend,
-                            timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=cfg.deploy.control_timeout_s)
+                            timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=cfg.deploy.control_timeout_s,
+                            gpu_ids=_train_gpus(cfg))
         self.cfg, self.hf_dir = cfg, hf_dir
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
         tcfg = transformer_config(self.hf_config, tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=torch_dtype(cfg.model.dtype),
@@ -169,3 +170,12 @@ class Policy:
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy(f, out / f.name)
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _train_gpus(cfg):
+    """This node's training GPU ids from the deploy section (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from opid_mega.placement import node_placement
+
+    return node_placement(cfg.deploy).train_gpus
