@@ -47,6 +47,22 @@ def configure_threads() -> int:
     return n
 
 
+def apply_core_budget(prog: str, cfg) -> bool:
+    """deploy.trainer_cpus: pin this rank to those cores (before torch starts its threads) and size torch's threads
+    to them. A core that does not exist here is one line and False."""
+    cores = list(cfg.deploy.trainer_cpus)
+    have = os.cpu_count() or 1
+    bad = [c for c in list(cores) + list(cfg.deploy.server_cpus) if c >= have]
+    if bad:
+        print(f"{prog}: deploy.trainer_cpus / deploy.server_cpus: cores {bad} do not exist on this machine "
+              f"({have} cores: 0-{have - 1})", file=sys.stderr)
+        return False
+    if cores:
+        os.sched_setaffinity(0, cores)
+        configure_threads()
+    return True
+
+
 def filter_dependency_warnings() -> None:
     """Warnings that dependencies raise and a user can do nothing about (see also pyproject's pytest filters)."""
     import warnings
@@ -171,6 +187,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = Path(args.run_dir or cfg.logging.run_dir)
     cfg.logging.run_dir = str(run_dir)
     if not layout_ok("opid-train", cfg):
+        return 2
+    if not apply_core_budget("opid-train", cfg):
         return 2
     if os.environ.get("RANK", "0") == "0":
         print(first_run_notice(cfg), flush=True)

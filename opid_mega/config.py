@@ -261,6 +261,11 @@ class DeployConfig:
     # colocated on GPU: move the optimizer state to host memory during rollout and release SGLang's memory in training
     offload_optimizer: bool = True
     release_engine_memory: bool = True
+    # CPU machines: the cores of the trainer's ranks and of the SGLang servers it launches (their OpenMP threads are
+    # bound there: SGLANG_CPU_OMP_THREADS_BIND). Empty: every core, shared by phase (servers sleep while idle,
+    # the trainer waits on HTTP during rollout). README "CPU core budget" has the measured trade-off.
+    trainer_cpus: list = field(default_factory=list)
+    server_cpus: list = field(default_factory=list)
 
 
 @dataclass
@@ -373,6 +378,8 @@ _CHECKS: dict[str, tuple] = {
     "deploy.analyzer_gpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of GPU ids (integers >= 0)"),
     "deploy.analyzer_mem_fraction": _PROB,
     "deploy.control_timeout_s": _POSITIVE,
+    "deploy.trainer_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
+    "deploy.server_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.train_timeout_s": _POSITIVE,
     "sync.bucket_mb": _POSITIVE_INT,
     "sync.check_interval": (lambda v: v >= 0, "an integer >= 0 (0: never)"),

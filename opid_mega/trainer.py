@@ -117,7 +117,7 @@ def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executa
         gpus = node_placement(cfg.deploy, analyzer_launched=True).analyzer_gpus
         args, env = server_args(cfg, args, gpus, cfg.deploy.analyzer_mem_fraction)
     return SGLangEngine(cfg.analyzer.model, server_args=args, log_dir=str(run_dir / "sglang_analyzer"),
-                        python=python, env=env)
+                        python=python, env=env, cpus=list(cfg.deploy.server_cpus) or None)
 
 
 def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_server):
@@ -177,7 +177,8 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
                             g, cfg.deploy.rollout_mem_fraction) for g in groups]
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
     fleet = launch_fleet(hf_dir, len(groups), launches[0][0], log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
-                         envs=[env for _, env in launches], balancer="client")
+                         envs=[env for _, env in launches], balancer="client",
+                         engine_options={"cpus": list(cfg.deploy.server_cpus) or None})
     print(f"opid-train: node {node}: {len(groups)} rollout server(s) at {', '.join(fleet.urls)}", flush=True)
     return list(fleet.engines)
 

@@ -152,21 +152,41 @@ class WeightSync:
             for _ in buckets:  # an engine failed mid-way: finish the collective so the other senders do not hang
                 pass
 
+    def _drop(self, e, exc: BaseException) -> None:
+        """A fleet's server that failed its part of a sync leaves the rotation (it would serve stale weights); the
+        sync goes on with the others. A lone engine, the last server, or a refused bucket: the error is raised."""
+        from opid_mega.rollout.sglang_engine import WeightMismatch
+
+        if isinstance(exc, WeightMismatch) or not hasattr(self.engine, "mark_dead") or len(self.engines) <= 1:
+            raise exc
+        self.engine.mark_dead(e, f"weight sync {self.version} failed: {type(exc).__name__}: {exc}")
+        self.engines = [x for x in self.engines if x is not e]
+
+    def _each(self, fn, engines=None) -> list:
+        """fn(e) for every engine, dropping (see _drop) the ones that fail; returns the results of the others."""
+        out = []
+        for e in list(engines if engines is not None else self.engines):
+            try:
+                out.append(fn(e))
+            except Exception as exc:  # noqa: BLE001 - _drop re-raises what must stop the sync
+                self._drop(e, exc)
+        return out
+
     def _via_tensor(self, buckets, version: str) -> int:
         sent = 0
-        started = []
+        started = self._each(lambda e: (e.begin_update(), e)[1])
         ok = False
         try:
-            for e in self.engines:
-                e.begin_update()
-                started.append(e)
             for bucket in buckets:
-                for e in self.engines:
-                    sent += e.send_bucket(bucket)
+                sent += sum(self._each(lambda e: e.send_bucket(bucket), [e for e in started if e in self.engines]))
             ok = True
         finally:
             for e in started:
-                e.end_update(version if ok else None)
+                try:
+                    e.end_update(version if ok and e in self.engines else None)
+                except Exception as exc:  # noqa: BLE001
+                    if e in self.engines:
+                        self._drop(e, exc)
         return sent
 
     def _via_disk(self, buckets, version: str) -> int:
@@ -193,8 +213,7 @@ class WeightSync:
                 shutil.copy(f, tmp / f.name)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
-        for e in self.engines:
-            e.update_weights_from_disk(str(out), version=version)
+        self._each(lambda e: e.update_weights_from_disk(str(out), version=version))
         for old in self.disk_dir.glob("v*"):  # keep only the version the engines now serve
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
@@ -266,9 +285,9 @@ class WeightSync:
         from opid_mega.trainer import broadcast
 
         n = self.cfg.sync.check_tokens
-        outs = broadcast(lambda: [(getattr(e, "url", type(e).__name__), e.generate([self.probe], SamplingParams(temperature=0.0,
-                                                                                  max_new_tokens=n))[0])
-                                  for e in self.engines])
+        probe = SamplingParams(temperature=0.0, max_new_tokens=n)
+        outs = broadcast(lambda: self._each(lambda e: (getattr(e, "url", type(e).__name__),
+                                                       e.generate([self.probe], probe)[0])))
         seqs = [(self.probe + list(r.response_ids), len(self.probe)) for _, r in outs]
         mine = self.policy.logprobs(seqs, temperature=1.0) if seqs else []
         worst = 0.0

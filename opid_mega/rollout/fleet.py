@@ -166,6 +166,15 @@ class FleetEngine:
                 out[f"rollout/server{s.index}_prompts"] = s.prompts_served
             return out
 
+    def mark_dead(self, engine: Any, error: str) -> None:
+        """Take `engine` (one of this fleet's) out of rotation, e.g. after it failed a weight sync."""
+        for s in self.servers:
+            if s.engine is engine:
+                self._mark_dead(s, error)
+                remove = getattr(self, "_remove_from_router", None)
+                if remove is not None and getattr(self, "router_alive", False):
+                    remove(s)
+
     def dead_servers(self) -> dict[str, str]:
         """url -> the error that took it out of rotation."""
         with self._lock:
@@ -590,14 +599,18 @@ class RouterFleet(FleetEngine):
             text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
         except requests.RequestException:
             return None
-        total = 0.0
+        # sglang-router 0.3.2 counts a retry in smg_worker_retries_total and times its backoff in the histogram
+        # smg_worker_retry_backoff_seconds; the counter is sometimes not exported yet when the histogram is
+        # (measured), so a retry is whichever of the two counts more
+        sums = {"smg_worker_retries_total": 0.0, "smg_worker_retry_backoff_seconds_count": 0.0}
         for line in text.splitlines():
-            if line.startswith("smg_worker_retries_total"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in sums:
                 try:
-                    total += float(line.rsplit(None, 1)[1])
+                    sums[name] += float(line.rsplit(None, 1)[1])
                 except (IndexError, ValueError):
                     pass
-        return int(total)
+        return int(max(sums.values()))
 
     def stats(self) -> dict:
         out = super().stats()

@@ -221,7 +221,7 @@ class SGLangEngine:
                  request_timeout_s: float = 1800.0, max_retries: int = 5, backoff_s: float = 0.5,
                  backoff_max_s: float = 8.0, weight_bucket_bytes: int = 512 << 20,
                  weight_transport: Optional[str] = None, python: str = sys.executable,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, cpus: Optional[Sequence[int]] = None):
         if (model_path is None) == (url is None):
             raise ValueError("SGLangEngine needs exactly one of model_path (launch a server) or url (attach)")
         self.request_timeout_s = float(request_timeout_s)
@@ -250,9 +250,15 @@ class SGLangEngine:
                 cpu = not torch.cuda.is_available()
             port = port or free_port()
             self.url = f"http://{host}:{port}"
+            cpu_serving = cpu or _flag_value(server_args, "--device") == "cpu"
+            if cpus and cpu_serving:  # SGLang's own CPU binding: its OpenMP threads on exactly these cores
+                env = {**(env or {}), "SGLANG_CPU_OMP_THREADS_BIND": ",".join(str(int(c)) for c in cpus),
+                       "OMP_NUM_THREADS": str(len(cpus))}
+                if not _has_flag(server_args, "--max-total-tokens"):  # SGLang cannot size its pool once bound
+                    server_args = list(server_args) + ["--max-total-tokens", "16384"]
             self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python)
             t0 = time.monotonic()
-            self._launch(cpu or _flag_value(self.command, "--device") == "cpu", log_dir, env)
+            self._launch(cpu_serving, log_dir, env)
             try:
                 self._wait_ready(startup_timeout_s)
             except BaseException:

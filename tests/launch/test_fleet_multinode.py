@@ -1,7 +1,8 @@
 """Issue 14 acceptance: a 4-rank launch through tools/launch/torchrun.sh (2 simulated nodes x 2 ranks, c10d on
 localhost), each node's first rank launching one real SGLang CPU server, global rank 0 driving both behind SGLang's
-router (round robin); 2 iterations. During iteration 1's rollout one server is frozen (SIGSTOP, so requests are in
-flight on it) and then killed (SIGKILL): every trajectory of both iterations is there, the run completes (weight
+router (round robin); 2 iterations. As soon as the router runs, global rank 0's own server has its scheduler frozen
+(SIGSTOP: its HTTP front end still passes health checks, so the first rollout requests routed to it hang in flight);
+3 s after the other server has answered a rollout request the frozen server is killed (SIGKILL): every trajectory of both iterations is there, the run completes (weight
 syncs go to the server left; the probe check runs after the first one), and the metrics count the dead server and
 the re-sent requests (the router's own retries and the fleet's)."""
 import os
@@ -12,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from .test_launch import BASE_ENV, CONFIG, LAUNCH, free_port, metrics
 
 ARGS = ["model.init_from=", "rollout.engine=sglang", "rollout.tasks_per_iter=2", "rollout.group_size=2",
-        "env.max_steps=3", "rollout.max_response_tokens=24", "eval.interval=0", "eval.num_tasks=0",
+        "env.max_steps=3", "rollout.max_response_tokens=48", "eval.interval=0", "eval.num_tasks=0",
         "train.iterations=2", "train.save_interval=0", "train.micro_batch_tokens=1024", "train.mini_batch_size=8",
         "logging.tensorboard=false", "logging.progress=false", "parallel.tp=2",
         "deploy.rollout_servers_per_node=1", "deploy.balancer=router", "deploy.router_args=[--policy,round_robin]",
@@ -41,6 +43,19 @@ def _generates(log: Path) -> int:
     return log.read_text(errors="replace").count("POST /generate")
 
 
+def _scheduler_pid(pgid: int) -> int:
+    """The SGLang scheduler process (it runs the model) of the server in process group `pgid`."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+                if cmd.startswith(b"sglang::scheduler") and os.getpgid(int(d)) == pgid:
+                    return int(d)
+            except OSError:
+                continue
+    raise AssertionError(f"no sglang::scheduler in process group {pgid}")
+
+
 @pytest.mark.slow
 def test_two_nodes_two_servers_behind_router_lose_no_trajectory(tmp_path):
     run = tmp_path / "run"
@@ -52,14 +67,37 @@ def test_two_nodes_two_servers_behind_router_lose_no_trajectory(tmp_path):
     try:
         deadline = time.monotonic() + 600
         logs = []
-        while time.monotonic() < deadline and not (len(logs) == 2 and all(_generates(x) >= 2 for x in logs)):
+        while time.monotonic() < deadline and len(logs) < 2:
             assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
             logs = sorted((run / "sglang").glob("sglang_server_*.log")) if (run / "sglang").exists() else []
             time.sleep(0.2)
-        assert len(logs) == 2, "two rollout servers (one per node) did not both serve"
-        victim = _server_pid(logs[1])
-        pgid = os.getpgid(victim)
-        os.killpg(pgid, signal.SIGSTOP)  # requests routed to it now hang in flight
+        # the victim: global rank 0's own server, the first --worker-urls of the router; frozen as soon as the
+        # router has registered it (rank 0 and the router are done with their set-up calls to it), so the first rollout requests routed to it hang
+        router = []
+        while not router or "--worker-urls" not in router[0].read_text(errors="replace"):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no router"
+            router = sorted((run / "sglang").glob("sglang_router_*.log"))
+            time.sleep(0.05)
+        first_url = router[0].read_text(errors="replace").split("--worker-urls", 1)[1].split()[0]
+        router_url = "http://127.0.0.1:" + router[0].stem.rsplit("_", 1)[1]
+        while True:  # the router has registered both workers (its registration talks to their schedulers)
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "router not ready"
+            try:
+                workers = requests.get(router_url + "/workers", timeout=2).json().get("workers", [])
+                if len(workers) == 2 and all(w.get("is_healthy", True) for w in workers):
+                    break
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(0.1)
+        victim = run / "sglang" / f"sglang_server_{first_url.rsplit(':', 1)[1]}.log"
+        pgid = os.getpgid(_server_pid(victim))
+        # Freeze only its scheduler: /health still answers (the HTTP front end is alive), so rollout requests are
+        # routed to it and hang there, in flight, until the whole server is killed 3 s after the rollout began.
+        os.kill(_scheduler_pid(pgid), signal.SIGSTOP)
+        other = [x for x in logs if x != victim][0]
+        while _generates(other) < 2:  # past its warm-up request: the rollout has begun
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rollout did not start"
+            time.sleep(0.05)
         time.sleep(3)
         os.killpg(pgid, signal.SIGKILL)
         outs = [p.communicate(timeout=900)[0] for p in procs]
