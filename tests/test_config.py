@@ -99,3 +99,15 @@ def test_sft_section_and_bad_sft_values_are_rejected():
             load_config(None, [item])
     assert load_config(None, ["scoring.kernel_backend=torch", "analyzer.sglang_args=[--tp, '2']"]).analyzer \
         .sglang_args == ["--tp", "2"]
+
+
+def test_core_budget_keys_and_missing_cores(capsys):
+    from opid_mega.cli import apply_core_budget
+
+    cfg = load_config(None, ["deploy.trainer_cpus=[0]", "deploy.server_cpus=[0]"])
+    assert cfg.deploy.trainer_cpus == [0] and cfg.deploy.server_cpus == [0]
+    with pytest.raises(ConfigError, match="deploy.server_cpus"):
+        load_config(None, ["deploy.server_cpus=[-1]"])
+    bad = load_config(None, ["deploy.server_cpus=[4096]"])
+    assert apply_core_budget("opid-train", bad) is False
+    assert "cores [4096] do not exist" in capsys.readouterr().err
