@@ -183,7 +183,7 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
     return list(fleet.engines)
 
 
-def build_engine(cfg: Config, hf_dir: str, servers: list, urls: list):
+def build_engine(cfg: Config, hf_dir: str, servers: Optional[list] = None, urls: Optional[list] = None):
     """Global rank 0's rollout engine: the local engine; one SGLang server (launched or attached); or a fleet of
     every node's servers (`urls`, gathered from the nodes' first ranks; those launched here are `servers`) behind
     our client balancer or SGLang's router (deploy.balancer). rollout.sglang_url may list several servers,
@@ -193,6 +193,10 @@ def build_engine(cfg: Config, hf_dir: str, servers: list, urls: list):
 
     if cfg.rollout.engine == "local":
         return make_engine("local", hf_dir, dtype=cfg.model.dtype)
+    if servers is None and urls is None:  # one process (opid-eval): this process launches the servers itself
+        servers = launch_node_servers(cfg, hf_dir)
+        urls = [e.url for e in servers]
+    servers = servers or []
     if cfg.rollout.sglang_url:
         urls = [u.strip() for u in cfg.rollout.sglang_url.split(",") if u.strip()]
     own = {e.url: e for e in servers}
