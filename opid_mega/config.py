@@ -125,6 +125,7 @@ class AlgoConfig:
     # the token-level skill signal added with λ (README "Beyond the sampled token"): sampled = the paper's
     # Δ = log p_s(y) - log p_o(y); full_kl / topk_kl = Δ + KL(p_o || p_s) (exact / top-k), its conditional mean removed
     delta: Literal["sampled", "full_kl", "topk_kl"] = "sampled"
+    delta_topk: int = 32  # k of topk_kl: the top-k ids of p_s, plus one bucket for the rest
     # weight of the distillation loss KL(p_o || p_s) through the original context, on skill-routed tokens (0: off)
     distill_coef: float = 0.0
     clip_low: float = 0.2
@@ -346,6 +347,7 @@ _CHECKS: dict[str, tuple] = {
     "algo.invalid_penalty": _NON_NEG,
     "algo.delta_clip": (lambda v: v is None or v > 0, "null or a number > 0"),
     "algo.distill_coef": _NON_NEG,
+    "algo.delta_topk": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "algo.clip_low": _NON_NEG,
     "algo.clip_high": _NON_NEG,
     "algo.dual_clip": (lambda v: v is None or v > 1, "null or a number > 1"),
@@ -506,14 +508,18 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.lr_warmup_ratio: got {cfg.train.lr_warmup_ratio!r} with train.lr_scheduler="
                           f"{cfg.train.lr_scheduler}, allowed: a number in (0, 1] with lr_scheduler=warmup, 0 with "
                           "lr_scheduler=constant")
-    # issue 15: the divergence kernel and algo.divergence_delta / distill_loss exist, the scorer does not feed them yet
-    if cfg.algo.delta != "sampled":
-        raise ConfigError(f"algo.delta: got {cfg.algo.delta!r}, allowed: 'sampled' (full_kl/topk_kl are not wired into "
-                          "the trainer yet: opid_mega.kernels.dual_context_divergence and opid_mega.algo.divergence_delta "
-                          "can be used directly)")
-    if cfg.algo.distill_coef != 0:
-        raise ConfigError(f"algo.distill_coef: got {cfg.algo.distill_coef!r}, allowed: 0 (the distillation loss is not "
-                          "wired into the trainer yet: opid_mega.algo.distill_loss can be used directly)")
+    # README "Beyond the sampled token": both need a skill term (routing) and the divergence kernel's inputs
+    no_skill_term = cfg.algo.mode in ("grpo", "skill_grpo")
+    if cfg.algo.delta != "sampled" and no_skill_term:
+        raise ConfigError(f"algo.delta: got {cfg.algo.delta!r} with algo.mode={cfg.algo.mode}, allowed: 'sampled' "
+                          "(this mode has no skill term for the divergence to change)")
+    if cfg.algo.delta != "sampled" and cfg.scoring.scorer != "fork":
+        raise ConfigError(f"algo.delta: got {cfg.algo.delta!r} with scoring.scorer={cfg.scoring.scorer}, allowed: "
+                          "'sampled' (the divergences come from the fork scorer, which has both contexts' hidden "
+                          "rows in one forward: set scoring.scorer=fork)")
+    if cfg.algo.distill_coef > 0 and no_skill_term:
+        raise ConfigError(f"algo.distill_coef: got {cfg.algo.distill_coef!r} with algo.mode={cfg.algo.mode}, allowed: "
+                          "0 (this mode routes no skill to distil from)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise ConfigError("parallel.sequence_parallel: got true with parallel.tp=1, allowed: true only with "
                           "parallel.tp > 1")

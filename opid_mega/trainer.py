@@ -9,7 +9,8 @@
         scoring with the OLD weights through the Scorer (original context = PPO's old log-probs; skill contexts -> Δ)
         advantages (the C++ batch builder: outcome_advantage by task group, token_advantages A_out + Σ λ_k Δ_k)
         Megatron PPO update in mini-batches (train.mini_batch_size step-samples; micro-batches of
-            train.micro_batch_tokens packed by the C++ builder, balanced over data-parallel ranks)
+            train.micro_batch_tokens packed by the C++ builder, balanced over data-parallel ranks; with
+            algo.distill_coef > 0 the skill contexts join them in the fork layout for the distillation loss)
         weight sync Megatron -> rollout engine
         evaluation without skills every eval.interval iterations and after the last; metrics; checkpoint every
         train.save_interval
@@ -263,7 +264,9 @@ def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups, back
     """:class:`Advantages` from the scorer's results (OPID.md §2, §6, §7), by the batch builder's
     `outcome_advantage` / `token_advantages` (`opid_mega._C` when built; `backend` forces one). `grpo` /
     `skill_grpo` take no Δ; every other mode adds λ_k Δ_k with the mode's λs, Δ_k = skill − original log-prob on
-    the step-samples routed to skill type k. Identical to GRPO whenever every Δ is 0."""
+    the step-samples routed to skill type k (algo.delta=sampled, the paper), or that plus KL(p_o‖p_s) (full_kl) or
+    its top-k estimate (topk_kl) from the scorer's `divergence` (`opid_mega.algo.divergence_delta`). Identical to
+    GRPO whenever every Δ is 0."""
     from opid_mega import batching
 
     lens = np.fromiter((r.orig.numel() for r in scored), np.int64, count=len(scored))
@@ -277,11 +280,32 @@ def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups, back
         for kind in KINDS:
             masks.append(np.fromiter((kind in r.skill for r in scored), bool, count=len(scored)))
             skill = _flat([r.skill.get(kind, r.orig) for r in scored], lens, f"the {kind}-skill log-probs")
-            deltas.append(skill.astype(np.float64) - old)
+            delta = skill.astype(np.float64) - old
+            if cfg.algo.delta != "sampled":  # + the divergence term (its conditional mean removed)
+                delta = delta + _flat([divergence_term(r, kind, cfg.algo.delta) for r in scored], lens,
+                                      f"the {kind}-skill divergence").astype(np.float64)
+            deltas.append(delta)
             lambdas.append(lam[kind])
     token = batching.token_advantages(a_out, lens, deltas, masks, lambdas, normalize=cfg.algo.delta_normalize,
                                       clip=cfg.algo.delta_clip, backend=backend)
     return Advantages(a_out, token, old, lens)
+
+
+def divergence_topk(a) -> Optional[int]:
+    """The scorer's divergence_topk for an AlgoConfig: None (log-probs only) for the paper's Δ, 0 for full_kl, k for
+    topk_kl."""
+    return {"sampled": None, "full_kl": 0, "topk_kl": a.delta_topk}[a.delta]
+
+
+def divergence_term(r, kind: str, delta: str) -> torch.Tensor:
+    """What `delta` (full_kl / topk_kl) adds to the sampled Δ on one step-sample's tokens for skill type `kind`:
+    KL(p_o‖p_s) or its top-k estimate (zeros where the sample has no such skill: masked anyway)."""
+    if kind not in r.skill:
+        return torch.zeros_like(r.orig)
+    if kind not in r.divergence:
+        raise ValueError(f"algo.delta={delta}: the scorer returned no divergence for skill type {kind!r} "
+                         "(scoring.scorer must be fork)")
+    return algo.delta_baseline({k: v.double() for k, v in r.divergence[kind].items() if k != "topk_ids"}, delta)
 
 
 def skill_key(task) -> str:
@@ -396,7 +420,9 @@ class Trainer:
         fork_budget = max(cfg.train.micro_batch_tokens,
                           4 * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens))
         # every context is scored at the sampling temperature (old log-probs and Δ as the sampler saw them)
-        self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature) \
+        # algo.delta = full_kl / topk_kl: the fork scorer also returns each skill context's divergences (one pass)
+        self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature,
+                                 divergence_topk=divergence_topk(cfg.algo)) \
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
@@ -534,8 +560,11 @@ class Trainer:
 
         # 6. PPO update on the original context (mini-batches packed by the C++ batch builder)
         with timer("update"):
-            data = TrainData.from_sequences([t for t, _ in orig], adv.resp_lens, old_logprobs=adv.old,
-                                            advantages=adv.token,
+            # algo.distill_coef > 0: the skill contexts ride along (fork layout) as the distillation's teacher
+            skill_ctx = [[r.context(k) for k in sorted(r.skills)] for r in requests] if cfg.algo.distill_coef > 0 \
+                else None
+            data = TrainData.from_sequences([t for t, _ in orig], adv.resp_lens, skill_contexts=skill_ctx,
+                                            old_logprobs=adv.old, advantages=adv.token,
                                             ref_logprobs=torch.cat(ref_lps) if ref_lps is not None else None)
             lr = learning_rate(cfg.train, it)
             self.policy.set_lr(lr)
@@ -577,6 +606,7 @@ class Trainer:
             "ppo/entropy": ppo.get("entropy"),
             "ppo/loss": ppo.get("loss"),
             "ppo/grad_norm": ppo.get("grad_norm"),
+            **({"ppo/distill_kl": ppo.get("distill_kl")} if cfg.algo.distill_coef > 0 else {}),
             "train/lr": lr,
             "rollout/logprob_mismatch": float(np.abs(eng - adv.old).sum() / ntok) if eng.size == adv.old.size
             else None,

@@ -8,7 +8,7 @@ from opid_mega.algo.advantage import (
     skill_delta,
     step_scores,
 )
-from opid_mega.algo.divergence import DELTA_KINDS, divergence_delta, distill_loss, topk_kl_orig_skill
+from opid_mega.algo.divergence import DELTA_KINDS, delta_baseline, divergence_delta, distill_loss, topk_kl_orig_skill
 from opid_mega.algo.loss import agg_loss, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss
 from opid_mega.algo.routing import EPISODE, SKILL_KINDS, STEP, route_skills
 
@@ -19,6 +19,7 @@ __all__ = [
     "SKILL_KINDS",
     "agg_loss",
     "combine_advantages",
+    "delta_baseline",
     "distill_loss",
     "divergence_delta",
     "entropy_from_logits",

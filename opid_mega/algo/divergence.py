@@ -62,12 +62,21 @@ def divergence_delta(out: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor
         raise ValueError(f"divergence_delta: kind={kind!r}, allowed: {', '.join(DELTA_KINDS)}")
     _need(out, ("logp_skill", "logp_orig"), "divergence_delta")
     delta = (out["logp_skill"] - out["logp_orig"]).detach()
+    return delta if kind == "sampled" else delta + delta_baseline(out, kind)
+
+
+def delta_baseline(out: Mapping[str, torch.Tensor], kind: str) -> torch.Tensor:
+    """What `kind` adds to the sampled Δ (no gradient): KL(p_o‖p_s) (full_kl), its top-k estimate (topk_kl), or 0
+    (sampled, as a zero tensor shaped like `out["logp_orig"]`)."""
+    if kind not in DELTA_KINDS:
+        raise ValueError(f"divergence_delta: kind={kind!r}, allowed: {', '.join(DELTA_KINDS)}")
     if kind == "full_kl":
         _need(out, ("kl_orig_skill",), "divergence_delta")
-        delta = delta + out["kl_orig_skill"].detach()
-    elif kind == "topk_kl":
-        delta = delta + topk_kl_orig_skill({k: v.detach() for k, v in out.items()})
-    return delta
+        return out["kl_orig_skill"].detach()
+    if kind == "topk_kl":
+        return topk_kl_orig_skill({k: v.detach() for k, v in out.items()})
+    _need(out, ("logp_orig",), "divergence_delta")
+    return torch.zeros_like(out["logp_orig"]).detach()
 
 
 def distill_loss(out: Mapping[str, torch.Tensor], mask: torch.Tensor, coef: float, direction: str = "reverse",
@@ -75,8 +84,8 @@ def distill_loss(out: Mapping[str, torch.Tensor], mask: torch.Tensor, coef: floa
     """coef · token-mean over `mask` of KL(p_o‖p_s) (`reverse`, default: the divergence Δ estimates, SDFT's
     on-policy objective) or KL(p_s‖p_o) (`forward`), differentiable through the original context only.
 
-    `mask`: response tokens of step-samples whose routing gave a skill (others contribute 0 but count in the
-    normalizer when one is given, like the PPO loss: pass the mini-batch token count so micro-batches add up).
+    `mask`: response tokens of step-samples whose routing gave a skill, bool, or float per-token weights (others
+    contribute 0 but count in the normalizer when one is given, like the PPO loss: pass the mini-batch token count so micro-batches add up).
     Returns (loss, {"distill_kl": detached mean KL over the mask}). coef = 0 returns an exact 0 (no graph)."""
     if direction not in DISTILL_DIRECTIONS:
         raise ValueError(f"distill_loss: direction={direction!r}, allowed: {', '.join(DISTILL_DIRECTIONS)}")
@@ -87,7 +96,7 @@ def distill_loss(out: Mapping[str, torch.Tensor], mask: torch.Tensor, coef: floa
     kl = out[key]
     if kl.shape != mask.shape:
         raise ValueError(f"distill_loss: {key} {tuple(kl.shape)} and mask {tuple(mask.shape)} must have one shape")
-    m = mask.to(torch.bool)
+    m = mask if mask.is_floating_point() else mask.to(torch.bool)  # float: per-token weights (the PPO loss's)
     metric = agg_loss(kl.detach(), m, "token-mean")
     if coef == 0:
         return torch.zeros((), dtype=kl.dtype, device=kl.device), {"distill_kl": metric}

@@ -176,6 +176,43 @@ class PackedBatches:
     def micro_batches(self, rank: int) -> List[MicroBatch]:
         return [self.micro_batch(rank, j) for j in range(self.micro_batches_per_rank)]
 
+    def pair_positions(self, pairs) -> tuple[List[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+        """Gathered positions of context pairs that score the same response (a skill context and its sample's
+        original context), micro-batch by micro-batch.
+
+        `pairs` int [P, 2]: (context a, context b) global context indices with equal resp_lens, both in one
+        micro-batch (contexts of one sample always are). Returns (per micro-batch k, rank-major: int64 arrays
+        (a_pos, b_pos) of positions local to k's gathered values, the pairs in k concatenated in pair order; and
+        `starts` int64 [P]: where pair p's values start among the pair values of its micro-batch
+        (`ctx_micro_batch[a]`))."""
+        pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+        f = self.flat
+        n_ctx = f["ctx_gather_start"].size
+        if pairs.size and (pairs.min() < 0 or pairs.max() >= n_ctx):
+            raise ValueError(f"pair_positions: context indices must lie in [0, {n_ctx})")
+        a, b = pairs[:, 0], pairs[:, 1]
+        lens = self.resp_lens[a]
+        bad = np.flatnonzero(lens != self.resp_lens[b])
+        if bad.size:
+            p = int(bad[0])
+            raise ValueError(f"pair_positions: pair {p} ({int(a[p])}, {int(b[p])}) has responses of "
+                             f"{int(lens[p])} and {int(self.resp_lens[b[p]])} tokens")
+        mb = f["ctx_micro_batch"][a]
+        bad = np.flatnonzero(mb != f["ctx_micro_batch"][b])
+        if bad.size:
+            raise ValueError(f"pair_positions: pair {int(bad[0])} spans two micro-batches")
+        k_total = self.num_ranks * self.micro_batches_per_rank
+        out, starts = [], np.zeros(len(pairs), np.int64)
+        for k in range(k_total):
+            sel = np.flatnonzero(mb == k)
+            off = int(f["mb_gather_offsets"][k])
+            rl = lens[sel]
+            starts[sel] = np.cumsum(rl) - rl
+            ranges = lambda ctx: (np.repeat(f["ctx_gather_start"][ctx] - off - (np.cumsum(rl) - rl), rl)  # noqa
+                                  + np.arange(int(rl.sum()), dtype=np.int64))
+            out.append((ranges(a[sel]), ranges(b[sel])))
+        return out, starts
+
     def unpack_logprobs(self, gathered) -> List[List[np.ndarray]]:
         """Gathered values -> `out[sample][context]` (resp_len values each).
 

@@ -57,6 +57,10 @@ class PackedBatch:
     scored_per_seq: list[int]  # split of the n scored tokens back into sequences
     branch_ids: Optional[torch.Tensor] = None  # int32 [N]; fork layout only
     extras: dict = field(default_factory=dict)  # float32 [n] tensors: old_logprobs, advantages, ref_logprobs, mask
+    # int64 [2, P] (fork layout): indices into the n scored rows of P (skill, original) row pairs that score the same
+    # response token under a skill context and the original one; the last stage then also returns their
+    # divergences (opid_mega.kernels.dual_context_divergence)
+    pairs: Optional[torch.Tensor] = None
 
     def packed_seq_params(self, device=None) -> ForkPackedSeqParams:
         """The batch's layout as megatron-core ``PackedSeqParams`` (thd) for ``model(packed_seq_params=...)``;
@@ -79,7 +83,7 @@ class PackedBatch:
         mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return PackedBatch(mv(self.input_ids), mv(self.position_ids), mv(self.cu_seqlens), mv(self.score_rows),
                            mv(self.score_targets), self.scored_per_seq, mv(self.branch_ids),
-                           {k: mv(v) for k, v in self.extras.items()})
+                           {k: mv(v) for k, v in self.extras.items()}, mv(self.pairs))
 
 
 def pack(samples: Sequence[Sample]) -> PackedBatch:
@@ -131,7 +135,7 @@ def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
     pos = torch.cat([b.position_ids, torch.arange(extra, dtype=b.position_ids.dtype)[None]], dim=1)
     cu = torch.cat([b.cu_seqlens, torch.tensor([length], dtype=b.cu_seqlens.dtype)])
     br = None if b.branch_ids is None else torch.cat([b.branch_ids, torch.zeros(extra, dtype=b.branch_ids.dtype)])
-    return PackedBatch(ids, pos, cu, b.score_rows, b.score_targets, b.scored_per_seq, br, b.extras)
+    return PackedBatch(ids, pos, cu, b.score_rows, b.score_targets, b.scored_per_seq, br, b.extras, b.pairs)
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -155,25 +159,38 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def forward_step(data_iterator, model, *, return_entropy: bool = False, loss_func=None, temperature: float = 1.0):
+def forward_step(data_iterator, model, *, return_entropy: bool = False, loss_func=None, temperature: float = 1.0,
+                 topk: int = 0):
     """megatron-core ``forward_step_func``: runs one :class:`PackedBatch` through ``model``.
 
     ``loss_func(batch, output)`` is bound to the batch; the default collects log-probs (forward only).
-    ``temperature``: log-probs and entropy of softmax(logits / temperature)."""
+    ``temperature``: log-probs and entropy of softmax(logits / temperature). A batch with ``pairs`` makes the last
+    stage return ``(scores, divergences)`` (``topk``: the top-k of the skill side too; see ``OpidGPTModel``)."""
     batch: PackedBatch = next(data_iterator)
     params = batch.packed_seq_params(_device())
     batch = batch.to(_device())
     out = model(batch.input_ids, batch.position_ids, None, packed_seq_params=params, score_rows=batch.score_rows,
-                score_targets=batch.score_targets, return_entropy=return_entropy, temperature=temperature)
+                score_targets=batch.score_targets, return_entropy=return_entropy, temperature=temperature,
+                pairs=batch.pairs, topk=topk)
     return out, partial(loss_func or logprob_loss_func, batch)
 
 
-def logprob_loss_func(batch: PackedBatch, output: torch.Tensor):
-    """Forward-only 'loss': returns zero and the per-sequence log-probs (and entropies) for collection."""
+def split_output(output):
+    """The last stage's output as (scores ``[1 or 2, n]``, divergence dict or None)."""
+    return output if isinstance(output, tuple) else (output, None)
+
+
+def logprob_loss_func(batch: PackedBatch, output):
+    """Forward-only 'loss': returns zero and the per-sequence log-probs (and entropies) for collection; with row
+    pairs also the batch's divergence outputs (``"divergence"``: one dict of float32 [P] / [P, k] CPU tensors)."""
+    output, div = split_output(output)
     lp = output[0].detach().float().cpu().split(batch.scored_per_seq)
     data = {"logprobs": list(lp)}
     if output.shape[0] > 1:
         data["entropy"] = list(output[1].detach().float().cpu().split(batch.scored_per_seq))
+    if div is not None:
+        data["divergence"] = [{k: v.detach().cpu() if k == "topk_ids" else v.detach().float().cpu()
+                               for k, v in div.items()}]
     zero = output.sum() * 0.0
     return zero, torch.tensor(0, dtype=torch.int), data
 
@@ -199,25 +216,35 @@ def run_schedule(chunks, batches: list[PackedBatch], forward_step_func, forward_
 
 @torch.no_grad()
 def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, return_entropy: bool = False,
-                     batches: Optional[list[PackedBatch]] = None, temperature: float = 1.0):
+                     batches: Optional[list[PackedBatch]] = None, temperature: float = 1.0, topk: int = 0):
     """Log-probs (and entropies) of ``tokens[score_from:]`` for each sample, on every rank of the model-parallel
     group (broadcast from the last pipeline stage). Returns a list of float32 tensors (or two lists).
     Pre-built ``batches`` (e.g. fork-layout batches) may be given instead of samples. ``temperature``: of
-    softmax(logits / temperature), the sampling temperature of the rollout (1.0: the plain softmax)."""
+    softmax(logits / temperature), the sampling temperature of the rollout (1.0: the plain softmax).
+    Batches with row ``pairs`` (all or none of them): the result is ``(log-probs, divergences)`` (or
+    ``(log-probs, entropies, divergences)``), one divergence dict per batch (``topk``: of the skill side)."""
     for c in chunks:
         c.eval()
     if batches is None:
         plan = plan_micro_batches([len(s.tokens) for s in samples], max_tokens)
         batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]
-    outs = run_schedule(chunks, batches, partial(forward_step, return_entropy=return_entropy, temperature=temperature),
-                        forward_only=True)
-    lps, ents = [], []
+    with_pairs = {b.pairs is not None for b in batches}
+    if len(with_pairs) > 1:
+        raise ValueError("compute_logprobs: either every batch has row pairs or none has")
+    n_real = len(batches)
+    outs = run_schedule(chunks, batches, partial(forward_step, return_entropy=return_entropy, temperature=temperature,
+                                                 topk=topk), forward_only=True)
+    lps, ents, divs = [], [], []
     for d in outs:
         lps.extend(d["logprobs"])
         ents.extend(d.get("entropy", []))
-    result = [lps, ents]
+        divs.extend(d.get("divergence", []))
+    result = [lps, ents, divs[:n_real]]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         group = parallel_state.get_pipeline_model_parallel_group()
         src = dist.get_process_group_ranks(group)[-1]
         dist.broadcast_object_list(result, src=src, group=group)
-    return (result[0], result[1]) if return_entropy else result[0]
+    head = (result[0], result[1]) if return_entropy else (result[0],)
+    if True in with_pairs:
+        return (*head, result[2])
+    return head if return_entropy else head[0]

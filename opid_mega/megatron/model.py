@@ -197,7 +197,7 @@ class OpidGPTModel(GPTModel):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, *,
                 packed_seq_params: Optional[PackedSeqParams] = None, score_rows: Optional[torch.Tensor] = None,
                 score_targets: Optional[torch.Tensor] = None, return_entropy: bool = False, temperature: float = 1.0,
-                **unused):
+                pairs: Optional[torch.Tensor] = None, topk: int = 0, **unused):
         """input_ids, position_ids: [B, S]. Non-last stages return hidden states [S, B, H]; the last stage returns
         ``[1 or 2, n]`` (log-probs, and entropy when asked) of ``score_targets`` [n] at rows ``score_rows`` [n]
         (flat indices into the [B*S] tokens, batch-major), or the final hidden states when no rows are given.
@@ -205,7 +205,11 @@ class OpidGPTModel(GPTModel):
         ``packed_seq_params``: the packed layout of a batch-size-1 row (``opid_mega.megatron.attention.
         packed_seq_params``; a plain thd ``PackedSeqParams`` works too), handed to every layer's core attention by
         megatron (recompute included). megatron's THD RoPE then finds per-token frequencies (one row per packed
-        token) and applies them as they are; None: every batch row is one causal sequence."""
+        token) and applies them as they are; None: every batch row is one causal sequence.
+        ``pairs`` int64 [2, P] (indices into the n scored rows: a skill-context row and the original-context row
+        of the same response token): the last stage returns ``(scores, divergences)``, the second the dict of
+        ``opid_mega.kernels.dual_context_divergence`` over the pairs (KL both ways; ``topk`` > 0: the top-k of the
+        skill side), differentiable through the original-context rows only."""
         if packed_seq_params is not None:
             n = int(packed_seq_params.cu_seqlens_q[-1])
             if input_ids.shape[0] != 1 or n != input_ids.shape[1]:
@@ -222,18 +226,21 @@ class OpidGPTModel(GPTModel):
                               packed_seq_params=packed_seq_params)
         if not self.post_process or score_rows is None:
             return hidden
-        return self.score(hidden, score_rows, score_targets, return_entropy, temperature)
+        return self.score(hidden, score_rows, score_targets, return_entropy, temperature, pairs, topk)
 
     def output_weight(self) -> torch.Tensor:
         return self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else self.output_layer.weight
 
-    def score(self, hidden, rows, targets, return_entropy=False, temperature: float = 1.0):
+    def score(self, hidden, rows, targets, return_entropy=False, temperature: float = 1.0, pairs=None, topk: int = 0):
         from opid_mega.kernels.logprob import fused_logprobs
 
         if rows.numel() == 0:  # nothing to score: keep the graph connected for the pipeline backward (and the
             # output weight's, so that overlap_grad_reduce's per-parameter ready counts are those of any micro-batch)
-            return hidden.new_zeros(2 if return_entropy else 1, 0) + (hidden.sum() + self.output_weight().sum()) * 0.0
+            empty = hidden.new_zeros(2 if return_entropy else 1, 0) + (hidden.sum() + self.output_weight().sum()) * 0.0
+            if pairs is None:
+                return empty
+            return empty, self._divergence(hidden.new_zeros(0, hidden.shape[-1]), targets, pairs, temperature, topk)
         sp = self.config.sequence_parallel
         if sp:  # [S/tp, B, H] -> [S, B, H]; the backward reduce-scatters the vocab-shard partial gradients
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
@@ -244,7 +251,31 @@ class OpidGPTModel(GPTModel):
         out = fused_logprobs(h, w, targets, vocab_start=tp_rank * w.shape[0],
                              tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
                              return_entropy=return_entropy, temperature=temperature, reduce_hidden_grad=not sp)
-        return torch.stack(out) if return_entropy else out[None]
+        scores = torch.stack(out) if return_entropy else out[None]
+        if pairs is None:
+            return scores
+        return scores, self._divergence(h, targets, pairs, temperature, topk)
+
+    def _divergence(self, h, targets, pairs, temperature: float, topk: int) -> dict:
+        """Divergences of the (skill row, original row) ``pairs`` of the scored rows ``h`` [n, H], vocabulary-parallel
+        (the same TP all-reduce pattern as the log-prob head; under sequence parallel the hidden-state gradient is
+        left to the sequence-parallel gather's reduce-scatter)."""
+        from opid_mega.kernels.dual_context_divergence import dual_context_divergence
+
+        pairs = pairs.to(device=h.device, dtype=torch.long)
+        if pairs.dim() != 2 or pairs.shape[0] != 2:
+            raise ValueError(f"pairs must be [2, P] indices into the scored rows, got {tuple(pairs.shape)}")
+        if pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= h.shape[0]):
+            raise ValueError(f"pairs index the {h.shape[0]} scored rows, got [{int(pairs.min())}, {int(pairs.max())}]")
+        if pairs.numel() and not torch.equal(targets[pairs[0]], targets[pairs[1]]):
+            raise ValueError("pairs: a skill row and its original row score different target tokens")
+        w = self.output_weight()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        return dual_context_divergence(
+            h[pairs[0]], h[pairs[1]], w, targets[pairs[1]],
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * w.shape[0],
+            tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None, topk=topk,
+            temperature=temperature, reduce_hidden_grad=not self.config.sequence_parallel)
 
 
 def build_chunk(hf, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,

@@ -52,7 +52,8 @@ class Policy:
         self.loss_cfg = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                                    kl_coef=a.kl_coef if self.reference else 0.0, kl_kind=a.kl_kind,
                                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
-                                   temperature=cfg.rollout.temperature)  # new log-probs at the sampling T
+                                   temperature=cfg.rollout.temperature,  # new log-probs at the sampling T
+                                   distill_coef=a.distill_coef)
 
     @staticmethod
     def dp_map(fn, items: list) -> list:
@@ -83,13 +84,28 @@ class Policy:
                                                          temperature=temp,
                                                          max_tokens=self.cfg.train.micro_batch_tokens), seqs)
 
-    def packed_logprobs(self, mbs: list, temperature: Optional[float] = None) -> list:
-        """ForkScorer's packed_logprob_fn: fork-layout micro-batches -> one float32 tensor per micro-batch."""
+    def packed_logprobs(self, mbs: list, temperature: Optional[float] = None, pairs: Optional[list] = None,
+                        topk: int = 0) -> list:
+        """ForkScorer's packed_logprob_fn: fork-layout micro-batches -> one float32 tensor per micro-batch; with
+        `pairs` (per micro-batch (skill positions, original positions) among its gathered rows) one dict per
+        micro-batch instead: {"logprobs": [M], and the divergences of the pairs (dual_context_divergence's keys)}."""
         from opid_mega.megatron.logprobs import PackedBatch, compute_logprobs
 
         batches = [PackedBatch.from_micro_batch(mb) for mb in mbs]
         temp = self.cfg.rollout.temperature if temperature is None else temperature
-        return self.dp_map(lambda part: compute_logprobs(self.chunks, [], batches=part, temperature=temp), batches)
+        if pairs is None:
+            return self.dp_map(lambda part: compute_logprobs(self.chunks, [], batches=part, temperature=temp),
+                               batches)
+        if len(pairs) != len(batches):
+            raise ValueError(f"packed_logprobs: {len(pairs)} pair lists for {len(batches)} micro-batches")
+        for b, (s, o) in zip(batches, pairs):
+            b.pairs = torch.stack([torch.as_tensor(s, dtype=torch.long), torch.as_tensor(o, dtype=torch.long)])
+
+        def run(part):
+            lps, divs = compute_logprobs(self.chunks, [], batches=part, temperature=temp, topk=topk)
+            return [{"logprobs": lp, **d} for lp, d in zip(lps, divs)]
+
+        return self.dp_map(run, batches)
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps, on every parameter group (what megatron's own

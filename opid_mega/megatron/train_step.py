@@ -21,9 +21,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from opid_mega.algo import kl_penalty, ppo_policy_loss
+from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss
 from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, empty_batch, forward_step, pack,
-                                        plan_micro_batches, run_schedule)
+                                        plan_micro_batches, run_schedule, split_output)
 
 
 @dataclass
@@ -39,6 +39,9 @@ class LossConfig:
     # The rollout's sampling temperature: the new log-probs (and entropy) are those of softmax(logits / T), like the
     # old and reference log-probs they are compared with (compute_logprobs(..., temperature=T)).
     temperature: float = 1.0
+    # algo.distill_coef: c · KL(p_o ‖ p_s) on the paired (skill-routed) tokens of micro-batches with row pairs,
+    # weighted and counted like the PPO loss's tokens, back-propagated through the original context only
+    distill_coef: float = 0.0
 
 
 def token_weights(batch: PackedBatch, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +67,14 @@ def token_weights(batch: PackedBatch, mask: torch.Tensor, agg: str) -> tuple[tor
 def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = LossConfig()):
     """megatron loss_func: OPID/PPO loss of one packed micro-batch, summed over its scored tokens.
 
-    ``output`` is the last stage's ``[1 or 2, n]`` (log-probs, entropy). ``batch.extras`` must hold
-    ``old_logprobs``, ``advantages``, ``loss_mask`` and, when ``cfg.kl_coef > 0``, ``ref_logprobs``.
+    ``output`` is the last stage's ``[1 or 2, n]`` (log-probs, entropy), or ``(that, divergences)`` for a batch with
+    row ``pairs`` (fork-layout distillation batches). ``batch.extras`` must hold ``old_logprobs``, ``advantages``,
+    ``loss_mask`` and, when ``cfg.kl_coef > 0``, ``ref_logprobs``.
     Returns (loss_sum, count, metrics) where metrics are detached [sum, count] pairs; `cfg.loss_agg` sets the
-    per-token weights and the count (see :func:`token_weights`; clip fractions are then weighted alike)."""
+    per-token weights and the count (see :func:`token_weights`; clip fractions are then weighted alike). With
+    ``cfg.distill_coef`` > 0 the loss adds ``opid_mega.algo.distill_loss`` of the pairs, each weighted by its
+    original token's weight (summed here; megatron divides by the same count)."""
+    output, div = split_output(output)
     ex = batch.extras
     for k in ("old_logprobs", "advantages", "loss_mask"):
         if k not in ex:
@@ -90,6 +97,11 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
         ent_sum = (output[1] * w).sum()
         loss = loss - cfg.entropy_coef * ent_sum
         metrics["entropy"] = torch.stack([ent_sum.detach().clone(), ntok])
+    if cfg.distill_coef > 0 and div is not None:
+        w_pair = w[batch.pairs[1].to(w.device)]
+        d_sum, dm = distill_loss(div, w_pair, cfg.distill_coef, normalizer=1.0)
+        loss = loss + d_sum
+        metrics["distill_kl"] = torch.stack([dm["distill_kl"] * w_pair.sum(), w_pair.sum()])
     for k in ("clipfrac", "clipfrac_dual", "approx_kl"):
         metrics[k] = torch.stack([m[k].detach() * ntok, ntok])
     metrics["loss"] = torch.stack([loss.detach().clone(), ntok])

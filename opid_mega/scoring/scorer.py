@@ -51,6 +51,9 @@ class ScoreRequest:
 class ScoreResult:
     orig: torch.Tensor  # float32 [R]: log π_old(y_t | h, y_<t)
     skill: dict  # kind -> float32 [R]: log π_old(y_t | h ⊕ s_kind, y_<t)
+    # kind -> the divergences of that skill context against the original one, per response token (ForkScorer with
+    # divergence_topk set): dual_context_divergence's keys, e.g. "kl_orig_skill" float32 [R] = KL(p_o ‖ p_s)
+    divergence: dict = field(default_factory=dict)
 
 
 # logprob_fn(sequences, temperature=T) -> log-probs: for each (tokens, score_from), the float32 log-probs of
