@@ -13,6 +13,7 @@ out of training on every node. The analyzer server may never share a training GP
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 class PlacementError(ValueError):
@@ -26,53 +27,73 @@ class NodePlacement:
     analyzer_gpus: list
 
 
-def node_placement(deploy, analyzer_launched: bool = False) -> NodePlacement:
-    g = deploy.gpus_per_node
-    tp, n = deploy.rollout_tp, deploy.rollout_servers_per_node
+def placement_problems(deploy, *, servers: Optional[int] = None,
+                       analyzer_launched: bool = False) -> tuple[NodePlacement, list[str]]:
+    """This node's placement and EVERY problem with it (each message starts with the deploy key it names); the
+    placement is filled in as far as the rules allow, so the planner can report it beside the problems.
+    `servers`: rollout servers this node launches (default deploy.rollout_servers_per_node; 0: none, e.g. the run
+    attaches to running servers); `analyzer_launched`: the trainer starts an analyzer server on this GPU machine."""
+    errors: list[str] = []
+    g, tp = deploy.gpus_per_node, deploy.rollout_tp
+    n = deploy.rollout_servers_per_node if servers is None else servers
     analyzer = list(deploy.analyzer_gpus)
-    for key, ids in (("deploy.analyzer_gpus", analyzer),
-                     ("deploy.rollout_gpus", [i for grp in deploy.rollout_gpus for i in grp])):
-        bad = [i for i in ids if i >= g]
+    explicit = [list(grp) for grp in deploy.rollout_gpus] if n else []
+    for key, ids in (("deploy.rollout_gpus", [i for grp in explicit for i in grp]), ("deploy.analyzer_gpus", analyzer)):
+        bad = sorted({i for i in ids if i >= g})
         if bad:
-            raise PlacementError(f"{key}: GPU ids {bad} do not exist on a node of deploy.gpus_per_node={g}")
-    if deploy.mode == "colocated":
-        train = list(range(deploy.train_gpus_per_node or g))
-        if len(train) > g:
-            raise PlacementError(f"deploy.train_gpus_per_node={len(train)} exceeds deploy.gpus_per_node={g}")
-        groups = [list(grp) for grp in deploy.rollout_gpus] or [train[i * tp:(i + 1) * tp] for i in range(n)]
-        if any(len(grp) != tp for grp in groups):
-            raise PlacementError(f"deploy.rollout_servers_per_node={n} x deploy.rollout_tp={tp} needs {n * tp} "
-                                 f"GPUs; colocated servers share the {len(train)} training GPUs")
-    else:
+            errors.append(f"{key}: GPU ids {bad} do not exist on a node of deploy.gpus_per_node={g} GPUs "
+                          f"(ids 0..{g - 1})")
+    if len(set(analyzer)) != len(analyzer):
+        errors.append(f"deploy.analyzer_gpus: {analyzer} lists a GPU twice")
+    if deploy.mode == "colocated":  # training GPUs 0..T-1, servers on the training GPUs in order
+        want = deploy.train_gpus_per_node or g
+        if want > g:
+            errors.append(f"deploy.train_gpus_per_node: {want} training GPUs on a node of deploy.gpus_per_node={g}")
+        train = list(range(min(want, g)))
+        groups = explicit or [train[i * tp:(i + 1) * tp] for i in range(n) if (i + 1) * tp <= len(train)]
+        if not explicit and n * tp > len(train):
+            errors.append(f"deploy.rollout_servers_per_node: {n} servers x deploy.rollout_tp={tp} = {n * tp} GPUs do "
+                          f"not fit the {len(train)} training GPUs of a node (colocated: servers go on the training "
+                          "GPUs in order)")
+    else:  # servers on the node's last GPUs not given to the analyzer (or rollout_gpus), training on the first left
         free = [i for i in range(g) if i not in analyzer]
-        groups = [list(grp) for grp in deploy.rollout_gpus]
-        if not groups:
+        groups = explicit
+        if not groups and n:
             if n * tp > len(free):
-                raise PlacementError(f"deploy.rollout_servers_per_node={n} x deploy.rollout_tp={tp} GPUs do not fit "
-                                     f"the {len(free)} GPUs of a node left by deploy.analyzer_gpus={analyzer}")
-            tail = free[len(free) - n * tp:]
-            groups = [tail[i * tp:(i + 1) * tp] for i in range(n)]
+                errors.append(f"deploy.rollout_servers_per_node: {n} servers x deploy.rollout_tp={tp} = {n * tp} GPUs "
+                              f"do not fit the {len(free)} GPUs of a node left by deploy.analyzer_gpus={analyzer}")
+            tail = free[max(len(free) - n * tp, 0):]
+            groups = [tail[i * tp:(i + 1) * tp] for i in range(n) if (i + 1) * tp <= len(tail)]
         used = {i for grp in groups for i in grp}
         left = [i for i in free if i not in used]
         want = deploy.train_gpus_per_node or len(left)
-        if want > len(left) or want == 0:
-            raise PlacementError(f"deploy.train_gpus_per_node={deploy.train_gpus_per_node}: only {len(left)} GPUs "
-                                 f"of a node are left for training after the rollout servers {groups} and the "
-                                 f"analyzer {analyzer}")
+        if want == 0 or want > len(left):
+            errors.append(f"deploy.train_gpus_per_node: {deploy.train_gpus_per_node} asked, {len(left)} GPUs of a node "
+                          f"are left for training after the rollout servers {groups} and the analyzer {analyzer} "
+                          "(disaggregated mode: servers need their own GPUs)")
         train = left[:want]
         overlap = sorted(used & set(train))
         if overlap:
-            raise PlacementError(f"deploy.rollout_gpus: GPUs {overlap} are training GPUs; disaggregated servers need "
-                                 "their own")
+            errors.append(f"deploy.rollout_gpus: GPUs {overlap} are training GPUs; disaggregated servers need their own")
+    if any(len(grp) != tp for grp in explicit):
+        errors.append(f"deploy.rollout_gpus: {explicit} must be groups of deploy.rollout_tp={tp} GPU ids")
     flat = [i for grp in groups for i in grp]
-    if len(set(flat)) != len(flat):
-        raise PlacementError(f"deploy.rollout_gpus: two servers share a GPU in {groups}")
+    if len(set(flat)) != len(flat) or any(len(set(grp)) != len(grp) for grp in groups):
+        errors.append(f"deploy.rollout_gpus: {groups} puts a GPU in two rollout servers")
+    if analyzer_launched and not analyzer:
+        errors.append("deploy.analyzer_gpus: the trainer launches an SGLang analyzer server (analyzer.backend=llm, "
+                      f"analyzer.base_url empty) and needs its GPU ids on node 0, outside the training GPUs {train} "
+                      "(or set analyzer.base_url)")
     clash = sorted(set(analyzer) & set(train))
     if clash:
-        raise PlacementError(f"deploy.analyzer_gpus: GPUs {clash} are training GPUs; the analyzer server needs GPUs "
-                             "that no training rank uses")
-    if analyzer_launched and not analyzer:
-        raise PlacementError("deploy.analyzer_gpus: empty, but the trainer launches an analyzer server "
-                             "(analyzer.backend=llm, analyzer.base_url empty) on this GPU machine: give it GPU ids "
-                             "that no training rank uses, or point analyzer.base_url at a running server")
-    return NodePlacement(train, groups, analyzer)
+        errors.append(f"deploy.analyzer_gpus: analyzer GPUs {clash} are training GPUs {train} (lower "
+                      "deploy.train_gpus_per_node)")
+    return NodePlacement(train, groups, analyzer), errors
+
+
+def node_placement(deploy, analyzer_launched: bool = False) -> NodePlacement:
+    """The launcher's placement of this node; PlacementError with the first problem (`placement_problems` has all)."""
+    placement, errors = placement_problems(deploy, analyzer_launched=analyzer_launched)
+    if errors:
+        raise PlacementError(errors[0])
+    return placement

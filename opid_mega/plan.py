@@ -265,69 +265,14 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     if d.analyzer_gpus and not analyzer_launched:
         notes.append("deploy.analyzer_gpus is set but no analyzer server is launched: those GPUs stay idle")
 
-    reserved = list(d.analyzer_gpus)  # kept off training even when no analyzer is launched (as the launcher does)
-    for key, ids in (("deploy.rollout_gpus", [g for grp in d.rollout_gpus for g in grp] if launched_servers else []),
-                     ("deploy.analyzer_gpus", reserved)):
-        bad = sorted({g for g in ids if g >= G})
-        if bad:
-            errors.append(f"{key}: GPU ids {bad} do not exist on a node of deploy.gpus_per_node={G} GPUs (ids 0..{G - 1})")
-    if len(set(reserved)) != len(reserved):
-        errors.append(f"deploy.analyzer_gpus: {reserved} lists a GPU twice")
+    # the launcher's own rules (opid_mega.placement), every problem collected; analyzer GPUs stay off training
+    # even when no analyzer is launched, as in the launcher
+    from opid_mega.placement import placement_problems
 
-    # The rules of the launcher (opid_mega.placement.node_placement), every problem collected instead of the first.
-    # colocated: training GPUs 0..T-1 (T = train_gpus_per_node or all), servers on the training GPUs in order.
-    # disaggregated: servers on the node's last GPUs not given to the analyzer (or rollout_gpus), training on the
-    # first T of the GPUs left (T = train_gpus_per_node or all of them); the same on every node.
-    groups: list[list[int]] = []
-    if d.mode == "colocated":
-        T = d.train_gpus_per_node or G
-        if T > G:
-            errors.append(f"deploy.train_gpus_per_node: {T} training GPUs on a node of deploy.gpus_per_node={G}")
-        train_ids = list(range(min(T, G)))
-        if launched_servers and n_srv:
-            if d.rollout_gpus:
-                groups = [list(g) for g in d.rollout_gpus]
-            else:
-                if n_srv * rtp > len(train_ids):
-                    errors.append(f"deploy.rollout_servers_per_node: {n_srv} servers x deploy.rollout_tp={rtp} = "
-                                  f"{n_srv * rtp} GPUs do not fit the {len(train_ids)} training GPUs of a node "
-                                  "(colocated: servers go on the training GPUs in order)")
-                groups = [train_ids[i * rtp:(i + 1) * rtp] for i in range(n_srv) if (i + 1) * rtp <= len(train_ids)]
-    else:
-        free = [g for g in range(G) if g not in reserved]
-        if launched_servers and n_srv:
-            if d.rollout_gpus:
-                groups = [list(g) for g in d.rollout_gpus]
-            else:
-                if n_srv * rtp > len(free):
-                    errors.append(f"deploy.rollout_servers_per_node: {n_srv} servers x deploy.rollout_tp={rtp} = "
-                                  f"{n_srv * rtp} GPUs do not fit the {len(free)} GPUs of a node left by "
-                                  f"deploy.analyzer_gpus={reserved}")
-                tail = free[max(len(free) - n_srv * rtp, 0):]
-                groups = [tail[i * rtp:(i + 1) * rtp] for i in range(n_srv) if (i + 1) * rtp <= len(tail)]
-        used = {g for grp in groups for g in grp}
-        left = [g for g in free if g not in used]
-        T = d.train_gpus_per_node or len(left)
-        if T == 0 or T > len(left):
-            errors.append(f"deploy.train_gpus_per_node: {d.train_gpus_per_node} asked, {len(left)} GPUs of a node are "
-                          f"left for training after the rollout servers {groups} and the analyzer {reserved} "
-                          "(disaggregated mode: servers need their own GPUs)")
-        train_ids = left[:T]
-        T = len(train_ids)
-    seen: set = set()
-    for grp in groups:
-        if seen & set(grp) or len(set(grp)) != len(grp):
-            errors.append(f"deploy.rollout_gpus: {groups} puts a GPU in two rollout servers")
-            break
-        seen |= set(grp)
-    if analyzer_launched and gpu_cluster and not analyzer_ids:
-        errors.append("deploy.analyzer_gpus: the trainer launches an SGLang analyzer server (analyzer.backend=llm, "
-                      "analyzer.base_url empty) and needs its GPU ids on node 0, outside the training GPUs "
-                      f"{train_ids} (or set analyzer.base_url)")
-    clash = sorted(set(reserved) & set(train_ids))
-    if clash:
-        errors.append(f"deploy.analyzer_gpus: analyzer GPUs {clash} are training GPUs {train_ids} of node 0 "
-                      "(lower deploy.train_gpus_per_node)")
+    placed, problems = placement_problems(d, servers=n_srv, analyzer_launched=analyzer_launched and gpu_cluster)
+    errors.extend(problems)
+    train_ids, groups = placed.train_gpus, placed.rollout_groups
+    T = len(train_ids)
 
     # ---------------------------------------------------------------- parallel layout
     from opid_mega.megatron.layout import layout_error
