@@ -187,21 +187,26 @@ def _hf_tensors(chunk, name, param, a) -> list[tuple[str, torch.Tensor]]:
     return [(names[0], full.contiguous())]
 
 
-@torch.no_grad()
 def export_hf_weights(chunks, hf_config, bucket_bytes: int = 256 << 20, all_stages: bool = True,
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream the model as HF-named full tensors, in buckets of about ``bucket_bytes`` (a generator of
     ``[(hf_name, tensor), ...]``). A collective: every rank must iterate it to the end. TP shards are
     all-gathered; with ``all_stages`` every pipeline stage's tensors are broadcast over the PP group so each
     rank sees the whole model (else a rank yields only its own stage's tensors)."""
-    a = arch_of(hf_config)
+    from opid_mega.buckets import size_buckets
+
+    return size_buckets(_stream_hf_tensors(chunks, arch_of(hf_config), all_stages), bucket_bytes)
+
+
+@torch.no_grad()
+def _stream_hf_tensors(chunks, a: dict, all_stages: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """export_hf_weights' (hf_name, tensor) pairs, one at a time (the collectives run as the stream is read)."""
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [dist.get_rank()]
     local = [(_unwrap(c), n, p) for c in chunks for n, p in _unwrap(c).named_parameters()]
     dev = local[0][2].device
-    bucket, size = [], 0
     for stage in range(pp_size if all_stages else 1):
         owner = stage == pp_rank if all_stages else True
         count = [len(local) if owner else 0]
@@ -216,14 +221,7 @@ def export_hf_weights(chunks, hf_config, bucket_bytes: int = 256 << 20, all_stag
                     pairs = [(n, torch.empty(s, dtype=d, device=dev)) for n, s, d in meta[0]]
                 for _, t in pairs:
                     dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
-            for n, t in pairs:
-                bucket.append((n, t))
-                size += t.numel() * t.element_size()
-                if size >= bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-    if bucket:
-        yield bucket
+            yield from pairs
 
 
 def hf_state_dict(chunks, hf_config) -> dict[str, torch.Tensor]:

@@ -194,22 +194,11 @@ def check_against_manifest(manifest: Optional[dict], bucket, where: str = "") ->
 
 def _buckets(items, bucket_bytes: int):
     """Lists of (name, tensor): `items` yields pairs (grouped here by size) or lists of pairs (kept as they are)."""
-    bucket, size = [], 0
-    for item in items:
-        if isinstance(item, list):
-            if bucket:
-                yield bucket
-                bucket, size = [], 0
-            yield [(str(n), t.detach()) for n, t in item]
-            continue
-        name, t = item
-        bucket.append((str(name), t.detach()))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+    from opid_mega.buckets import size_buckets
+
+    detached = ([(str(n), t.detach()) for n, t in item] if isinstance(item, list) else (str(item[0]), item[1].detach())
+                for item in items)
+    return size_buckets(detached, bucket_bytes)
 
 
 class SGLangEngine:
