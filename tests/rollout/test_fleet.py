@@ -15,8 +15,6 @@ import stat
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 
@@ -25,7 +23,6 @@ from opid_mega.rollout.fleet import FleetEngine, RouterFleet, launch_fleet
 from opid_mega.rollout.sglang_engine import SGLangEngine
 
 TOL = 1e-4
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 HAVE_ROUTER = importlib.util.find_spec("sglang_router") is not None
 
 
@@ -167,63 +164,37 @@ def test_weights_are_streamed_once_to_every_server_and_a_failing_one_leaves():
 
 
 # ---- per-prompt seeds through a real SGLangEngine (HTTP) -------------------------------------------------------
-class _RecordingServer:
-    """Speaks the bits of SGLang's API the engine uses; records every /generate payload and answers each prompt
-    with [its sampling_seed, its first token]."""
+def _recording_server(fake_sglang):
+    """A fake server that records every /generate payload and answers each prompt with [its sampling_seed, its
+    first token]."""
+    payloads = []
 
-    def __init__(self):
-        payloads = self.payloads = []
+    def generate(req):
+        payloads.append(req)
+        return 200, [{"output_ids": [p.get("sampling_seed", -1), ids[0]], "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 0, None]] * 2}}
+            for ids, p in zip(req["input_ids"], req["sampling_params"])]
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send(200, {"tp_size": 1} if self.path == "/server_info" else {})
-
-            def do_POST(self):
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                payloads.append(req)
-                self._send(200, [{"output_ids": [p.get("sampling_seed", -1), ids[0]], "meta_info": {
-                    "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 0, None]] * 2}}
-                    for ids, p in zip(req["input_ids"], req["sampling_params"])])
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    server = fake_sglang(generate)
+    server.payloads = payloads
+    return server
 
 
-def test_per_prompt_seeds_reach_the_servers():
-    servers = [_RecordingServer(), _RecordingServer()]
-    try:
-        one = SGLangEngine(url=servers[0].url)
-        assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10))] == [[10, 5], [11, 6]]
-        assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10), seeds=[3, 9])] == \
-            [[3, 5], [9, 6]]
-        assert [p["sampling_seed"] for p in servers[0].payloads[-1]["sampling_params"]] == [3, 9]
-        assert one.generate([[5]], SamplingParams())[0].response_ids == [-1, 5]  # no seed sent
-        assert "sampling_seed" not in servers[0].payloads[-1]["sampling_params"][0]
-        with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
-            one.generate([[5]], SamplingParams(seed=1), seeds=[1, 2])
-        fleet = FleetEngine([one, SGLangEngine(url=servers[1].url)], chunk_prompts=3)
-        out = fleet.generate([[i] for i in range(14)], SamplingParams(seed=500))
-        assert [r.response_ids for r in out] == [[500 + i, i] for i in range(14)]
-        assert len(servers[1].payloads) > 0 and fleet.stats()["rollout/server1_prompts"] > 0
-    finally:
-        for s in servers:
-            s.close()
+def test_per_prompt_seeds_reach_the_servers(fake_sglang):
+    servers = [_recording_server(fake_sglang), _recording_server(fake_sglang)]
+    one = SGLangEngine(url=servers[0].url)
+    assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10))] == [[10, 5], [11, 6]]
+    assert [r.response_ids for r in one.generate([[5], [6]], SamplingParams(seed=10), seeds=[3, 9])] == \
+        [[3, 5], [9, 6]]
+    assert [p["sampling_seed"] for p in servers[0].payloads[-1]["sampling_params"]] == [3, 9]
+    assert one.generate([[5]], SamplingParams())[0].response_ids == [-1, 5]  # no seed sent
+    assert "sampling_seed" not in servers[0].payloads[-1]["sampling_params"][0]
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        one.generate([[5]], SamplingParams(seed=1), seeds=[1, 2])
+    fleet = FleetEngine([one, SGLangEngine(url=servers[1].url)], chunk_prompts=3)
+    out = fleet.generate([[i] for i in range(14)], SamplingParams(seed=500))
+    assert [r.response_ids for r in out] == [[500 + i, i] for i in range(14)]
+    assert len(servers[1].payloads) > 0 and fleet.stats()["rollout/server1_prompts"] > 0
 
 
 # ---- launching: env, and a failed start shuts the others down ---------------------------------------------------
@@ -295,14 +266,9 @@ def test_launch_fleet_env_and_cleanup(tmp_path, monkeypatch):
 
 # ---- real SGLang CPU servers -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(tiny_qwen3, tmp_path_factory):
-    if not HAVE_SGLANG:
-        pytest.skip("sglang not installed (tools/install_sglang_cpu.sh)")
-    if torch.cuda.is_available():
-        pytest.skip("this test serves on CPU")
+def servers(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
     t0 = time.monotonic()
-    fleet = launch_fleet(tiny_qwen3, 3, ["--dtype", "float32", "--max-total-tokens", "16384",
-                                         "--max-running-requests", "16", "--disable-radix-cache"],
+    fleet = launch_fleet(tiny_qwen3, 3, real_sglang_cpu(max_running_requests=16),
                          log_dir=str(tmp_path_factory.mktemp("fleet_logs")),
                          engine_options={"startup_timeout_s": 300})
     print(f"\n3 SGLang CPU servers ready in {time.monotonic() - t0:.1f} s")

@@ -73,14 +73,9 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
 
 # ---- one real server -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    if not HAVE_SGLANG:
-        pytest.skip("sglang not installed (tools/install_sglang_cpu.sh)")
-    if torch.cuda.is_available():
-        pytest.skip("this test serves on CPU")
-    engine = SGLangEngine(tiny_qwen3, server_args=["--dtype", "float32", "--max-total-tokens", "16384",
-                                                   "--max-running-requests", "8", "--disable-radix-cache"],
-                          log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=240)
+def server(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
+    engine = SGLangEngine(tiny_qwen3, server_args=real_sglang_cpu(), log_dir=str(tmp_path_factory.mktemp("sglang_logs")),
+                          startup_timeout_s=240)
     print(f"\nSGLang CPU server ready in {engine.start_time_s:.1f} s (log {engine.log_path})")
     yield engine
     engine.shutdown()
@@ -180,69 +175,36 @@ def test_real_sglang_server_on_cpu(server, tiny_qwen3):
         server.generate(prompts, greedy)
 
 
-class _FlakyServer:
-    """A minimal HTTP server speaking the bits of SGLang's API the engine uses; /generate answers 503 `fails`
-    times before succeeding (a transient overload)."""
+def _flaky_server(fake_sglang, fails):
+    """A fake server whose /generate answers 503 `fails` times before succeeding (a transient overload)."""
+    state = {"fails": fails, "generate_calls": 0}
 
-    def __init__(self, fails):
-        import json
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    def generate(req):
+        state["generate_calls"] += 1
+        if state["fails"] > 0:
+            state["fails"] -= 1
+            return 503, {"error": "overloaded"}
+        return 200, [{"output_ids": [7, 8], "meta_info": {
+            "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}}
+            for _ in req["input_ids"]]
 
-        state = {"fails": fails, "generate_calls": 0}
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send(200, {"tp_size": 1} if self.path == "/server_info" else {})
-
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length", 0))
-                req = json.loads(self.rfile.read(n))
-                state["generate_calls"] += 1
-                if state["fails"] > 0:
-                    state["fails"] -= 1
-                    return self._send(503, {"error": "overloaded"})
-                self._send(200, [{"output_ids": [7, 8], "meta_info": {
-                    "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}}
-                    for _ in req["input_ids"]])
-
-        self.state = state
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    server = fake_sglang(generate)
+    server.state = state
+    return server
 
 
-def test_transient_errors_are_retried_with_capped_backoff():
-    flaky = _FlakyServer(fails=3)
-    try:
-        engine = SGLangEngine(url=flaky.url, backoff_s=0.05, backoff_max_s=0.1, max_retries=5)
-        t0 = time.perf_counter()
-        out = engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2))
-        waited = time.perf_counter() - t0
-        assert flaky.state["generate_calls"] == 4 and 0.05 + 0.1 + 0.1 <= waited < 5  # 0.05, then capped at 0.1
-        assert [r.response_ids for r in out] == [[7, 8], [7, 8]] and out[0].logprobs == [-0.5, -1.5]
-        assert out[0].finish_reason == "stop"
-        flaky.state["fails"] = 10
-        engine.max_retries = 1
-        with pytest.raises(EngineError, match="/generate at .* failed after 2 attempts: HTTP 503"):
-            engine.generate([[1]], SamplingParams())
-        engine.shutdown()  # attached: the server is left running
-        assert flaky.thread.is_alive()
-    finally:
-        flaky.close()
+def test_transient_errors_are_retried_with_capped_backoff(fake_sglang):
+    flaky = _flaky_server(fake_sglang, fails=3)
+    engine = SGLangEngine(url=flaky.url, backoff_s=0.05, backoff_max_s=0.1, max_retries=5)
+    t0 = time.perf_counter()
+    out = engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2))
+    waited = time.perf_counter() - t0
+    assert flaky.state["generate_calls"] == 4 and 0.05 + 0.1 + 0.1 <= waited < 5  # 0.05, then capped at 0.1
+    assert [r.response_ids for r in out] == [[7, 8], [7, 8]] and out[0].logprobs == [-0.5, -1.5]
+    assert out[0].finish_reason == "stop"
+    flaky.state["fails"] = 10
+    engine.max_retries = 1
+    with pytest.raises(EngineError, match="/generate at .* failed after 2 attempts: HTTP 503"):
+        engine.generate([[1]], SamplingParams())
+    engine.shutdown()  # attached: the server is left running
+    assert flaky.thread.is_alive()

@@ -5,7 +5,6 @@ probe check fails before the sync (the engine serves older weights: the check ca
 engine's weight version is the sync's. A corrupted bucket (wrong name, shape or dtype) is rejected with WeightMismatch
 and the engine still serves the previous version (same version, probe still equal to the trainer's).
 Fast: the manifest check and the bucket grouping, without a server."""
-import importlib.util
 import os
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 from opid_mega.rollout.sglang_engine import WeightMismatch, _buckets, check_against_manifest, read_manifest
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
 
 
@@ -41,11 +39,7 @@ def test_buckets_group_by_size_and_keep_caller_buckets():
 
 
 @pytest.fixture(scope="module")
-def rig(tiny_qwen3, tmp_path_factory):
-    if not HAVE_SGLANG:
-        pytest.skip("sglang not installed (tools/install_sglang_cpu.sh)")
-    if torch.cuda.is_available():
-        pytest.skip("this test serves on CPU")
+def rig(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
     from opid_mega.config import load_config
     from opid_mega.megatron import parallel
     from opid_mega.megatron.policy import Policy
@@ -54,8 +48,7 @@ def rig(tiny_qwen3, tmp_path_factory):
 
     cfg = load_config(CONFIG, ["model.init_from=", "sync.check_interval=1", "sync.bucket_mb=1"])
     policy = Policy(cfg, tiny_qwen3)
-    engine = SGLangEngine(tiny_qwen3, server_args=["--dtype", "float32", "--max-total-tokens", "4096",
-                                                   "--max-running-requests", "4", "--disable-radix-cache"],
+    engine = SGLangEngine(tiny_qwen3, server_args=real_sglang_cpu(max_total_tokens=4096, max_running_requests=4),
                           log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=300)
     yield cfg, policy, engine, load_tokenizer(tiny_qwen3), tmp_path_factory.mktemp("sync")
     engine.shutdown()
