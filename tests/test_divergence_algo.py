@@ -122,14 +122,23 @@ def test_divergence_delta_errors():
 
 
 def test_config_keys():
+    from opid_mega.algo.divergence import TOPK_DEFAULT
+
     cfg = load_config(None)
-    assert cfg.algo.delta == "sampled" and cfg.algo.distill_coef == 0.0
-    # the trainer does not feed them yet: any other value is refused with the reason, never silently ignored
-    with pytest.raises(ConfigError, match="algo.delta: got 'topk_kl'.*not wired"):
-        load_config(None, ["algo.delta=topk_kl"])
-    with pytest.raises(ConfigError, match="algo.distill_coef: got 0.01.*not wired"):
-        load_config(None, ["algo.distill_coef=0.01"])
-    with pytest.raises(ConfigError, match="algo.delta"):
-        load_config(None, ["algo.delta=full"])
-    with pytest.raises(ConfigError, match="algo.distill_coef"):
-        load_config(None, ["algo.distill_coef=-0.1"])
+    assert cfg.algo.delta == "sampled" and cfg.algo.distill_coef == 0.0 and cfg.algo.delta_topk == TOPK_DEFAULT
+    fork = "scoring.scorer=fork"
+    ok = load_config(None, [fork, "algo.delta=topk_kl", "algo.delta_topk=8", "algo.distill_coef=0.05"])
+    assert (ok.algo.delta, ok.algo.delta_topk, ok.algo.distill_coef) == ("topk_kl", 8, 0.05)
+    assert load_config(None, ["algo.distill_coef=0.05"]).algo.distill_coef == 0.05  # any scorer: training computes it
+    # a setting that would be silently ignored is refused with the reason
+    with pytest.raises(ConfigError, match="algo.delta: got 'full_kl' with scoring.scorer=naive.*scoring.scorer=fork"):
+        load_config(None, ["algo.delta=full_kl", "scoring.scorer=naive"])
+    for mode in ("grpo", "skill_grpo"):
+        with pytest.raises(ConfigError, match=f"algo.delta: got 'topk_kl' with algo.mode={mode}"):
+            load_config(None, [fork, "algo.delta=topk_kl", f"algo.mode={mode}"])
+        with pytest.raises(ConfigError, match=f"algo.distill_coef: got 0.01 with algo.mode={mode}"):
+            load_config(None, ["algo.distill_coef=0.01", f"algo.mode={mode}"])
+    for bad in ("algo.delta=full", "algo.distill_coef=-0.1", "algo.delta_topk=0", "algo.delta_topk=2.5",
+                "algo.delta_topk=true"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [fork, bad])

@@ -25,7 +25,7 @@ from opid_mega.algo.loss import agg_loss
 
 DELTA_KINDS = ("sampled", "full_kl", "topk_kl")
 DISTILL_DIRECTIONS = ("reverse", "forward")
-TOPK_DEFAULT = 32  # k of the kernel's top-k for algo.delta=topk_kl (the scorer passes topk=TOPK_DEFAULT)
+TOPK_DEFAULT = 32  # the default of algo.delta_topk: k of the top-k for algo.delta=topk_kl
 
 
 def _need(out: Mapping[str, torch.Tensor], keys, what: str):

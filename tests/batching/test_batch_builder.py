@@ -392,3 +392,24 @@ def test_threads_do_not_change_outputs():
         digests.append(res.stdout.split())
     assert int(digests[0][0]) > 4 * 262_144  # enough work for 4 workers
     assert digests[0] == digests[1]
+
+
+def test_pair_positions_name_bad_pairs():
+    from opid_mega.batching import build_fork_batches, flatten_contexts
+
+    # two samples: (orig, skill) each, in separate micro-batches with a budget of one sample
+    samples = [[([1, 2, 3, 9, 8], 2), ([1, 7, 2, 3, 9, 8], 2)], [([4, 5, 6, 6], 1), ([4, 5, 0, 6, 6], 1)]]
+    pb = build_fork_batches(flatten_contexts(samples), 11)
+    assert pb.micro_batches_per_rank == 2
+    per_mb, starts = pb.pair_positions([[1, 0], [3, 2]])
+    assert [len(a) for a, _ in per_mb] == [2, 1] and starts.tolist() == [0, 0]
+    for k, (a, b) in enumerate(per_mb):
+        mb = pb.micro_batch(0, k)
+        assert mb.gather_targets[a].tolist() == mb.gather_targets[b].tolist()
+    with pytest.raises(ValueError, match="responses of 2 and 1 tokens"):
+        pb.pair_positions([[1, 2]])
+    with pytest.raises(ValueError, match=r"context indices must lie in \[0, 4\)"):
+        pb.pair_positions([[1, 4]])
+    one_mb = build_fork_batches(flatten_contexts([samples[0], [([4, 5, 6, 6, 1], 2)]]), 11)
+    with pytest.raises(ValueError, match="spans two micro-batches"):
+        one_mb.pair_positions([[1, 2]])

@@ -139,3 +139,90 @@ def test_overhead_benchmark_runs_and_both_paths_score_every_token(tmp_path):
     assert json.loads(out.read_text()) == res
     assert res["before_scored_tokens"] == res["after_scored_tokens"] > 0
     assert res["before_s"] > 0 and res["after_s"] > 0 and res["step_samples"] == 20
+
+
+# ------------------------------------------------------------------------------------ distillation (skill contexts)
+def _skill_data(seed, n=17):
+    """Samples with 0-2 skill contexts each: a section inserted at a random point of the prompt; the old log-prob
+    names its token (sample * 1000 + position)."""
+    rng = np.random.default_rng(seed)
+    seqs, resp, skills = [], [], []
+    shared = rng.integers(0, 50_000, 9).tolist()
+    for i in range(n):
+        prompt = list(shared) if i % 3 == 0 else rng.integers(0, 50_000, int(rng.integers(1, 30))).tolist()
+        r = int(rng.integers(1, 10))
+        response = rng.integers(0, 50_000, r).tolist()
+        seqs.append(prompt + response)
+        resp.append(r)
+        ctxs = []
+        for _ in range(int(rng.integers(0, 3))):
+            at = int(rng.integers(0, len(prompt) + 1))
+            ctxs.append(prompt[:at] + rng.integers(0, 50_000, int(rng.integers(1, 8))).tolist() + prompt[at:] + response)
+        skills.append(ctxs)
+    code = np.concatenate([s * 1000 + np.arange(r) for s, r in enumerate(resp)]).astype(np.float32)
+    return seqs, resp, skills, TrainData.from_sequences(seqs, resp, skill_contexts=skills, old_logprobs=code,
+                                                        advantages=-code - 0.5)
+
+
+def _visible(b, row):
+    """The token ids row `row` attends to (its own context up to itself), by the fork attention rule."""
+    ids, br, cu = b.input_ids[0].tolist(), b.branch_ids.tolist(), b.cu_seqlens.tolist()
+    g = max(i for i in range(len(cu) - 1) if cu[i] <= row)
+    return [ids[j] for j in range(cu[g], row + 1) if br[j] == 0 or br[j] == br[row]]
+
+
+@pytest.mark.parametrize("seed,budget,ranks", [(0, 64, 1), (1, 200, 2), (2, 1, 3)])
+def test_skill_context_batches_pair_every_skill_token_with_its_original_token(seed, budget, ranks):
+    seqs, resp, skills, data = _skill_data(seed)
+    per_rank = [data.micro_batches(budget, ranks, r) for r in range(ranks)]
+    assert len({len(b) for b in per_rank}) == 1
+    orig_seen, pair_seen = set(), set()
+    for b in (b for batches in per_rank for b in batches):
+        if b.score_rows.numel() == 0:
+            continue
+        old, mask = b.extras["old_logprobs"].tolist(), b.extras["loss_mask"].tolist()
+        assert b.extras["advantages"].tolist() == [(-v - 0.5) if m else 0.0 for v, m in zip(old, mask)]
+        assert sum(b.scored_per_seq) == len(old)
+        rows, tgts = b.score_rows.tolist(), b.score_targets.tolist()
+        for i, m in enumerate(mask):
+            if m:  # an original-context token: its own sample's prompt + response before it
+                s, j = divmod(int(old[i]), 1000)
+                assert (s, j) not in orig_seen
+                orig_seen.add((s, j))
+                p = len(seqs[s]) - resp[s]
+                assert tgts[i] == seqs[s][p + j] and _visible(b, rows[i]) == seqs[s][:p + j]
+            else:
+                assert old[i] == 0.0
+        for sp, op in zip(*b.pairs.tolist()):
+            assert mask[op] == 1.0 and mask[sp] == 0.0 and tgts[sp] == tgts[op]
+            s, j = divmod(int(old[op]), 1000)
+            seen_ctx = _visible(b, rows[sp])
+            match = [c for c, ctx in enumerate(skills[s]) if ctx[:len(ctx) - resp[s] + j] == seen_ctx]
+            assert match, "a skill row sees one of its sample's skill contexts"
+            pair_seen.add((s, match[0], j))
+    assert orig_seen == {(s, j) for s, r in enumerate(resp) for j in range(r)}
+    assert pair_seen == {(s, c, j) for s, r in enumerate(resp) for c in range(len(skills[s])) for j in range(r)}
+
+
+def test_skill_contexts_follow_subset_and_bad_ones_are_named():
+    seqs, resp, skills, data = _skill_data(5)
+    idx = [4, 0, 9]
+    sub = data.subset(idx)
+    want = TrainData.from_sequences([seqs[i] for i in idx], [resp[i] for i in idx],
+                                    skill_contexts=[skills[i] for i in idx],
+                                    old_logprobs=sub.values["old_logprobs"], advantages=sub.values["advantages"])
+    for k in ("tokens", "seq_offsets", "resp_lens", "skill_tokens", "skill_offsets", "skill_sample_offsets"):
+        assert np.array_equal(getattr(sub, k), getattr(want, k)), k
+    z = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="does not end with the sample's response"):
+        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[[7, 2, 3, 5]]], old_logprobs=z, advantages=z)
+    with pytest.raises(ValueError, match="not more than the sample's 3-token response"):
+        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[[2, 3, 4]]], old_logprobs=z, advantages=z)
+    with pytest.raises(ValueError, match="skill_contexts has 2 entries for 1 samples"):
+        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[], []], old_logprobs=z, advantages=z)
+    with pytest.raises(ValueError, match="together"):
+        TrainData(np.array([1, 2, 3, 4]), np.array([0, 4]), np.array([3]), dict(old_logprobs=z, advantages=z),
+                  skill_tokens=np.array([1, 2, 3, 4]))
+    # no sample with a skill context: the plain layout (no pairs) as before
+    plain = TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[]], old_logprobs=z, advantages=z)
+    assert not plain.has_skills and plain.micro_batches(64)[0].pairs is None

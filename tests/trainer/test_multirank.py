@@ -62,3 +62,29 @@ def test_dp2_shards_the_batch_and_matches_single_process(tmp_path):
     for k in ("train/success_rate", "adv/outcome_abs_mean", "adv/skill_abs_mean", "ppo/loss", "ppo/entropy",
               "ppo/kl"):
         assert m[k] == pytest.approx(s[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_divergence_signal_and_distillation_tp2pp2_match_single_process(tmp_path):
+    """algo.delta=topk_kl and algo.distill_coef through the vocabulary-parallel head (TP2: the top-k merged over
+    the shards) and the pipeline (PP2: the divergences broadcast from the last stage; fork-layout training
+    micro-batches): iteration 1, before any update, equals the single-process run."""
+    from opid_mega.metrics import read_metrics
+
+    args = TINY + ["train.iterations=1", "train.save_interval=0", "train.mini_batch_size=16", "algo.mode=no_routing",
+                   "algo.delta=topk_kl", "algo.delta_topk=8", "algo.distill_coef=0.5", "algo.lambda_episode=0.1",
+                   "algo.lambda_step=0.1"]
+    multi, single = tmp_path / "tp2pp2", tmp_path / "tp1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "opid_mega.cli",
+           "--config", os.path.join(ROOT, "configs", "tiny_cpu_tp2pp2.yaml"), "--run-dir", str(multi)] + args
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+           "--run-dir", str(single)] + args
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (m,), (s,) = read_metrics(multi), read_metrics(single)
+    assert s["adv/skill_abs_mean"] > 0 and s["ppo/distill_kl"] > 1e-4  # both signals are there to compare
+    for k in ("train/step_samples", "adv/outcome_abs_mean", "adv/skill_abs_mean", "ppo/distill_kl", "ppo/entropy"):
+        assert m[k] == pytest.approx(s[k], rel=1e-4, abs=1e-6), k
+    assert m["ppo/loss"] == pytest.approx(s["ppo/loss"], abs=5e-5)
