@@ -17,7 +17,8 @@ freed tensor buffers go back to the OS. Times: median over repeats after one war
     python tools/bench_divergence.py --preset ci --json runs/bench_divergence.json
 
 The JSON holds every case under "cases"; its top-level "peak_bytes" {"naive", "fused"}, "seconds" and
-"peak_ratio" are those of the fwd+bwd case (the heaviest).
+"peak_ratio" are those of the fwd+bwd case (the heaviest); "tp2_vs_tp1" (CPU presets): the fused path split over
+the vocabulary on 2 gloo processes against one process, max abs difference of every output and gradient.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ PRESETS = {
     "gpu": [(4096, 3584, 152064, "bfloat16", "fwd", 0), (4096, 3584, 152064, "bfloat16", "fwd+bwd", 0),
             (4096, 3584, 152064, "bfloat16", "fwd", 32), (4096, 3584, 152064, "float32", "fwd", 0)],
 }
+# (N, H, V, topk) of the TP2 vs TP1 check (CPU presets; the GPU one needs NCCL ranks: tests/kernels cover it)
+TP2_CASE = {"ci": (128, 256, 152064, 32), "cpu": (256, 512, 152064, 32), "tiny": (16, 32, 3000, 4)}
 KEYS = ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill")
 
 
@@ -84,6 +87,66 @@ def run_case(n, h, v, dtype_name, pass_, topk, device, repeats):
     return case
 
 
+def _inputs(n, h, v, topk_unused=0):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    h_orig = torch.randn(n, h, generator=g)
+    h_skill = h_orig + 0.5 * torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / h ** 0.5
+    targets = torch.randint(0, v, (n,), generator=g)
+    return h_skill, h_orig, weight, targets
+
+
+def _fused_fwd_bwd(h_skill, h_orig, weight, targets, topk, vocab_start=0, tp_group=None):
+    from opid_mega.kernels import dual_context_divergence
+
+    ho, w = h_orig.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    out = dual_context_divergence(h_skill, ho, w, targets, topk=topk, vocab_start=vocab_start, tp_group=tp_group,
+                                  backend="torch")
+    (out["logp_orig"].sum() + out["kl_skill_orig"].sum() + out["kl_orig_skill"].sum()).backward()
+    return {k: x.detach() for k, x in out.items()}, ho.grad, w.grad
+
+
+def _tp_rank(rank, world, port, n, h, v, topk, out_path):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    hs, ho, w, t = _inputs(n, h, v)
+    shard = v // world
+    out, gh, gw = _fused_fwd_bwd(hs, ho, w[rank * shard:(rank + 1) * shard], t, topk, vocab_start=rank * shard,
+                                 tp_group=dist.group.WORLD)
+    torch.save({"out": out, "grad_h": gh, "grad_w": gw}, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def tp2_vs_tp1(n, h, v, topk):
+    """The fused path vocabulary-parallel over 2 gloo ranks (each holding half of the weight rows, partials
+    all-reduced) vs one rank: max abs differences of every output and of the gradients (fwd+bwd)."""
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tp")
+        mp.spawn(_tp_rank, args=(2, port, n, h, v, topk, path), nprocs=2, join=True)
+        parts = [torch.load(f"{path}.{r}") for r in range(2)]
+    one, gh, gw = _fused_fwd_bwd(*_inputs(n, h, v), topk)
+    diffs = {k: (parts[0]["out"][k].double() - one[k].double()).abs().max().item() for k in one if k != "topk_ids"}
+    if topk:
+        diffs["topk_ids_equal"] = bool(torch.equal(parts[0]["out"]["topk_ids"], one["topk_ids"]))
+    diffs["grad_h_orig"] = (parts[0]["grad_h"] - gh).abs().max().item()
+    diffs["grad_weight"] = (torch.cat([p["grad_w"] for p in parts]) - gw).abs().max().item()
+    return {"N": n, "H": h, "V": v, "topk": topk, "max_abs_diff": diffs}
+
+
 def _mb(x):
     return f"{x / 2**20:.1f}"
 
@@ -124,6 +187,11 @@ def main(argv=None):
     result = {"preset": preset, "device": device.type, "torch": torch.__version__,
               "peak_bytes": dict(main_case["peak_bytes"]), "seconds": dict(main_case["seconds"]),
               "peak_ratio": main_case["peak_ratio"], "cases": cases}
+    if preset in TP2_CASE:  # vocabulary parallel over 2 gloo processes (CPU) == one process
+        result["tp2_vs_tp1"] = tp2_vs_tp1(*TP2_CASE[preset])
+        d = result["tp2_vs_tp1"]["max_abs_diff"]
+        print("TP2 vs TP1 (fwd+bwd, top-k %d): max abs diff %.1e over %s" % (
+            TP2_CASE[preset][3], max(x for x in d.values() if not isinstance(x, bool)), ", ".join(sorted(d))))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

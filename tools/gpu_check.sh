@@ -4,7 +4,7 @@
 #   2. install  the package, editable, no deps (only when it is not importable yet), and the optional pieces this
 #               machine can install by itself (sglang-router, torch_memory_saver) -- each skipped with a line if not
 #   3. tests    the kernel tests with the compiled Triton backend (tests/kernels; TRITON_INTERPRET unset)
-#   4. bench_logprob, fork_attention, bench_rescoring   kernel benchmarks (JSON)
+#   4. bench_logprob, fork_attention, bench_rescoring, bench_divergence   kernel benchmarks (JSON)
 #   5. train    2 real training iterations of a small real model (tiny-qwen3, or smollm2-135m when it can be built
 #               offline) in bf16, TP1, TE spec when transformer_engine is installed, with an SGLang rollout server
 #               colocated on the same GPU (memory released/resumed between phases when torch_memory_saver is
@@ -97,6 +97,8 @@ if [ -f tools/bench_rescoring.py ]; then
 else
   echo "tools/bench_rescoring.py not present: skipped" | tee -a "$OUT_DIR/summary.txt"
 fi
+# the dual-context divergence (algo.delta=full_kl|topk_kl, algo.distill_coef): fused Triton vs two full log-softmaxes
+step bench_divergence 90 "$PY" tools/bench_divergence.py --preset gpu --json "$OUT_DIR/bench_divergence.json"
 # 2 real iterations on this GPU: SGLang rollouts, weight sync (+ probe check), engine-vs-trainer mismatch
 if "$PY" -c "import sglang" 2>/dev/null; then
   SAVER=false

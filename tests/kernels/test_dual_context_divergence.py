@@ -256,6 +256,9 @@ def test_bench_tool_writes_the_contract_keys(tmp_path):
     for case in res["cases"]:
         assert max(v for v in case["max_abs_diff_vs_naive"].values() if not isinstance(v, bool)) < 1e-4
     assert res["cases"][0]["max_abs_diff_vs_naive"]["topk_ids_equal"]
+    tp2 = res["tp2_vs_tp1"]["max_abs_diff"]  # vocabulary parallel over 2 gloo processes == one process
+    assert tp2["topk_ids_equal"] and {"kl_orig_skill", "grad_h_orig", "grad_weight"} <= set(tp2)
+    assert max(v for v in tp2.values() if not isinstance(v, bool)) < 1e-4
 
 
 COMPILE_SCRIPT = r"""

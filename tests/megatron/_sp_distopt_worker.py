@@ -2,7 +2,9 @@
 SPEC.json`. Writes results.pt (rank 0) for test_megatron_sp_distopt.py to compare:
 
 - sp[arch][False|True]: log-probs + entropy of packed micro-batches, every rank's local gradients (main_grad after
-  finalize_model_grads) of one OPID/PPO mini-batch, and the weights after one optimizer step, without / with SP;
+  finalize_model_grads) of one OPID/PPO mini-batch, the same with the distillation loss on fork-layout micro-batches
+  with skill contexts (the divergence head's hidden-state gradient under SP), and the weights after one optimizer
+  step, without / with SP;
 - opt[name]: the weights after 2 optimizer steps (plain | distributed optimizer | + overlap_grad_reduce | + SP) and
   the step metrics; "resumed": the distributed optimizer resumed from its checkpoint after step 1, then step 2.
 """
@@ -85,6 +87,37 @@ def _grads(ddp, samples, micro_tokens, loss_cfg):
     return {f"{i}.{n}": p.main_grad.detach().clone() for i, c in enumerate(ddp) for n, p in c.module.named_parameters()}
 
 
+def _distill_grads(ddp, seqs, lps, micro_tokens, loss_cfg):
+    """Local gradients of one mini-batch with the distillation loss: fork-layout micro-batches where every sequence
+    also has a skill context (3 tokens inserted after its first token, same response), this DP rank's share."""
+    from dataclasses import replace
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+
+    from opid_mega.megatron.logprobs import forward_step, run_schedule
+    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.train_step import ppo_loss_func
+
+    samples = _train_samples(seqs, lps)
+    data = TrainData.from_sequences(
+        [list(t) for t, _ in seqs], [len(t) - k for t, k in seqs],
+        skill_contexts=[[list(t[:1]) + [11, 12, 13] + list(t[1:])] for t, _ in seqs],
+        old_logprobs=np.concatenate([np.asarray(s.old_logprobs, np.float32) for s in samples]),
+        advantages=np.concatenate([np.asarray(s.advantages, np.float32) for s in samples]),
+        ref_logprobs=np.concatenate([np.asarray(s.ref_logprobs, np.float32) for s in samples]))
+    batches = data.micro_batches(micro_tokens, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    assert all(b.pairs is not None for b in batches if b.score_rows.numel())
+    for c in ddp:
+        c.train()
+        c.zero_grad_buffer()
+    cfg = replace(loss_cfg, distill_coef=0.5)
+    step = partial(forward_step, return_entropy=True, loss_func=partial(ppo_loss_func, cfg=cfg))
+    outs = run_schedule(ddp, batches, step, forward_only=False)
+    kl = sum(float(o["distill_kl"][0]) for o in outs) if outs else 0.0
+    return {f"{i}.{n}": p.main_grad.detach().clone() for i, c in enumerate(ddp) for n, p in c.module.named_parameters()}, kl
+
+
 def run_rank(spec):
     import faulthandler
 
@@ -123,6 +156,8 @@ def run_rank(spec):
                     base = (m["model"], lps)
             samples = dp_shard(_train_samples(seqs, lps))
             r["grads"] = _per_rank(_grads(ddp, samples, mt, loss_cfg))
+            grads, kl = _distill_grads(ddp, seqs, lps, 2 * mt, loss_cfg)
+            r["distill_grads"], r["distill_kl"] = _per_rank(grads), _per_rank(kl)
             r["metrics"] = train_mini_batch(ddp, opt, samples, mt, loss_cfg)
             r["after_step"] = weights.hf_state_dict(chunks, hf)
         if dist.get_rank() == 0:

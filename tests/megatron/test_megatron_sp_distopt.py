@@ -2,7 +2,7 @@
 
 - TP2 vs TP2 + sequence parallel on packed micro-batches of odd length (padded to a multiple of TP, the padding never
   scored): log-probs, entropy and every rank's gradients equal (fp32, <= 1e-5), for a tied Qwen3 (q/k norm) and an
-  untied Qwen2 (QKV bias);
+  untied Qwen2 (QKV bias), also with the distillation loss (fork layout, skill contexts, the divergence head);
 - plain vs distributed optimizer, also with overlap_grad_reduce (small buckets: several per backward) and with SP:
   equal weights after 2 optimizer steps (<= 1e-5); the distributed optimizer's state survives a checkpoint save/load
   (resumed step 2 = uninterrupted step 2)."""
@@ -65,6 +65,12 @@ def test_sequence_parallel_equals_tp2_logprobs_and_gradients(run, arch, layout):
     for rank, (ga, gb) in enumerate(zip(off["grads"], on["grads"])):
         assert set(ga) == set(gb), rank
         assert max(float(ga[n].abs().max()) for n in ga) > 0  # gradients do flow
+        for n in ga:
+            assert (ga[n] - gb[n]).abs().max() <= TOL, (rank, n)
+    # the distillation loss (fork layout + skill contexts, the divergence head): SP leaves its gradients unchanged
+    assert sum(off["distill_kl"]) > 1e-3 and abs(sum(off["distill_kl"]) - sum(on["distill_kl"])) <= 1e-4
+    for rank, (ga, gb) in enumerate(zip(off["distill_grads"], on["distill_grads"])):
+        assert max(float((ga[n] - off["grads"][rank][n]).abs().max()) for n in ga) > 1e-4  # the KL term is there
         for n in ga:
             assert (ga[n] - gb[n]).abs().max() <= TOL, (rank, n)
     assert abs(off["metrics"]["loss"] - on["metrics"]["loss"]) <= TOL
