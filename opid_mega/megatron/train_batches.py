@@ -193,28 +193,8 @@ class TrainData:
             g = np.empty_like(v)
             g[pos] = v
             gathered[k] = torch.from_numpy(g)
-        # the samples of each micro-batch in gathered order -> their scored token counts (token_weights' split)
-        order = np.lexsort((f["ctx_gather_start"], f["ctx_micro_batch"]))
-        per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=pb.num_ranks * pb.micro_batches_per_rank))
-        ones = torch.ones(int(f["gather_rows"].size), dtype=torch.float32)
-        out = []
-        for mb in pb.micro_batches(rank):
-            k = rank * pb.micro_batches_per_rank + mb.index
-            if mb.num_tokens == 0:
-                out.append(empty_batch())
-                continue
-            m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
-            extras = {key: g[m0:m1] for key, g in gathered.items()}
-            extras["loss_mask"] = ones[m0:m1]
-            out.append(PackedBatch(
-                input_ids=torch.from_numpy(mb.tokens).long()[None],
-                position_ids=torch.from_numpy(mb.position_ids).long()[None],
-                cu_seqlens=torch.from_numpy(np.ascontiguousarray(mb.cu_seqlens, np.int32)),
-                score_rows=torch.from_numpy(mb.gather_rows).long(),
-                score_targets=torch.from_numpy(mb.gather_targets).long(),
-                scored_per_seq=self.resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist(),
-                extras=extras))
-        return out
+        gathered["loss_mask"] = torch.ones(int(f["gather_rows"].size), dtype=torch.float32)
+        return _rank_batches(pb, rank, gathered, self.resp_lens)
 
     def _fork_micro_batches(self, budget: int, num_ranks: int, rank: int, backend: Optional[str]) -> list[PackedBatch]:
         """Fork-layout micro-batches: per sample its original context, then its skill contexts (module docstring)."""
@@ -251,23 +231,30 @@ class TrainData:
             gathered[k] = torch.from_numpy(g)
         pairs = np.stack([np.flatnonzero(~is_orig), sample_offsets[:-1][owner[~is_orig]]], axis=1)
         per_mb_pairs, _ = pb.pair_positions(pairs)
-        order = np.lexsort((f["ctx_gather_start"], f["ctx_micro_batch"]))
-        k_all = pb.num_ranks * pb.micro_batches_per_rank
-        ctx_per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=k_all))
-        out = []
-        for mb in pb.micro_batches(rank):
-            k = rank * pb.micro_batches_per_rank + mb.index
-            if mb.num_tokens == 0:
-                out.append(empty_batch())
-                continue
-            m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
-            b = PackedBatch.from_micro_batch(mb)
-            b.scored_per_seq = ctx.resp_lens[order[ctx_per_mb[k]:ctx_per_mb[k + 1]]].tolist()
-            b.extras = {key: g[m0:m1] for key, g in gathered.items()}
-            s_pos, o_pos = per_mb_pairs[k]
-            b.pairs = torch.from_numpy(np.stack([s_pos, o_pos]).astype(np.int64))
-            out.append(b)
-        return out
+        return _rank_batches(pb, rank, gathered, ctx.resp_lens, per_mb_pairs)
+
+
+def _rank_batches(pb, rank: int, gathered: dict, ctx_resp_lens: np.ndarray, per_mb_pairs=None) -> list[PackedBatch]:
+    """`rank`'s micro-batches of the builder output `pb` as PackedBatches: the gathered per-token values sliced per
+    micro-batch, each context's scored count in gathered order (`scored_per_seq`, token_weights' split), and the row
+    pairs of micro-batch k (`per_mb_pairs[k]`, from `PackedBatches.pair_positions`) when given."""
+    f = pb.flat
+    order = np.lexsort((f["ctx_gather_start"], f["ctx_micro_batch"]))
+    per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=pb.num_ranks * pb.micro_batches_per_rank))
+    out = []
+    for mb in pb.micro_batches(rank):
+        k = rank * pb.micro_batches_per_rank + mb.index
+        if mb.num_tokens == 0:
+            out.append(empty_batch())
+            continue
+        m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
+        b = PackedBatch.from_micro_batch(mb)
+        b.scored_per_seq = ctx_resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist()
+        b.extras = {key: g[m0:m1] for key, g in gathered.items()}
+        if per_mb_pairs is not None:
+            b.pairs = torch.from_numpy(np.stack(per_mb_pairs[k]).astype(np.int64))
+        out.append(b)
+    return out
 
 
 def _int32_tokens(seqs, lens: np.ndarray) -> np.ndarray:
