@@ -58,6 +58,10 @@ ARMS: dict[str, tuple[str, ...]] = {
                 "algo.delta=full_kl"),
     "topk_kl": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1", "algo.lambda_step=0.1",
                 "algo.delta=topk_kl"),
+    # the dense version of the same gradient: the distillation loss through the original context (coefficient = that
+    # λ; one value, not tuned), on top of opid_lambda0.1
+    "distill": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1", "algo.lambda_step=0.1",
+                "algo.distill_coef=0.1"),
 }
 BASELINE = "grpo"
 
@@ -74,7 +78,8 @@ PRESETS: dict[str, Preset] = {
     # ~60 min on 2 idle cores (README "Experiment: GRPO vs OPID on CPU" has the measured budget)
     "cpu": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid", "opid_late", "opid_lambda0.1")),
     # the full-distribution arms next to GRPO and OPID at the same λ (README "Beyond the sampled token")
-    "divergence": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid_lambda0.1", "full_kl", "topk_kl")),
+    "divergence": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid_lambda0.1", "full_kl", "topk_kl",
+                                                                    "distill")),
     # the whole pipeline on a tiny budget (tests): 4 train / 4 held-out games, 2 iterations
     "smoke": Preset("configs/experiment_cpu.yaml", (1,), ("grpo", "opid"), (
         "env.options.pool_size.train=4", "env.options.pool_size.test=4", "env.max_steps=3",
