@@ -111,3 +111,15 @@ def test_core_budget_keys_and_missing_cores(capsys):
     bad = load_config(None, ["deploy.server_cpus=[4096]"])
     assert apply_core_budget("opid-train", bad) is False
     assert "cores [4096] do not exist" in capsys.readouterr().err
+
+
+def test_tp2pp2_config_is_the_tiny_config_in_another_layout():
+    """configs/tiny_cpu_tp2pp2.yaml says "same model, env and algorithm as tiny_cpu.yaml", and the multi-rank tests
+    compare the two runs value by value: only the parallel layout and the run dir may differ."""
+    import dataclasses
+
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    one = dataclasses.asdict(load_config(os.path.join(root, "tiny_cpu.yaml")))
+    four = dataclasses.asdict(load_config(os.path.join(root, "tiny_cpu_tp2pp2.yaml")))
+    diff = sorted(f"{sec}.{k}" for sec in one for k in one[sec] if one[sec][k] != four[sec][k])
+    assert diff == ["logging.run_dir", "parallel.pp", "parallel.tp"]

@@ -114,7 +114,7 @@ def _distill_grads(ddp, seqs, lps, micro_tokens, loss_cfg):
     cfg = replace(loss_cfg, distill_coef=0.5)
     step = partial(forward_step, return_entropy=True, loss_func=partial(ppo_loss_func, cfg=cfg))
     outs = run_schedule(ddp, batches, step, forward_only=False)
-    kl = sum(float(o["distill_kl"][0]) for o in outs) if outs else 0.0
+    kl = sum(float(o["distill_kl"][0]) for o in outs if "distill_kl" in o)  # padding micro-batches have no pairs
     return {f"{i}.{n}": p.main_grad.detach().clone() for i, c in enumerate(ddp) for n, p in c.module.named_parameters()}, kl
 
 
