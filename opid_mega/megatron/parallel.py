@@ -46,9 +46,11 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation."""
     global _CONTROL
     backend = resolve_backend(backend)
-    cpu = cpu_compat.apply()
+    cpu_compat.apply()
     if not dist.is_initialized():
-        if not cpu:  # local rank i -> gpu_ids[i] (opid_mega.placement: the node's training GPUs), else GPU i
+        # NCCL only: a gloo run needs no device of its own (several gloo ranks on a machine with fewer GPUs than
+        # ranks would otherwise ask for a GPU that does not exist: "invalid device ordinal")
+        if backend == "nccl":  # local rank i -> gpu_ids[i] (opid_mega.placement: the node's training GPUs), else GPU i
             local = int(os.environ.get("LOCAL_RANK", "0"))
             if gpu_ids and local >= len(gpu_ids):
                 raise ValueError(f"local rank {local} has no training GPU: this node's training GPUs are {gpu_ids} "

@@ -127,3 +127,36 @@ def test_train_cli_refuses_a_bad_layout_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     _one_line_refusal(proc, "opid-train", "tp=3", "4 attention heads")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_initialize_sets_the_cuda_device_only_for_nccl(monkeypatch, backend):
+    """parallel.initialize on a (pretended) 1-GPU machine as local rank 1: gloo never calls torch.cuda.set_device
+    (ordinal 1 does not exist there: "invalid device ordinal"); NCCL binds the rank to its GPU. The rendezvous is
+    stopped right after that decision (no process group is made)."""
+    import torch
+    import torch.distributed as dist
+
+    from opid_mega.megatron import cpu_compat, parallel
+
+    class Reached(Exception):
+        pass
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(d))
+    monkeypatch.setattr(cpu_compat, "apply", lambda: False)  # what it returns on a GPU machine
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def stop(*a, **k):
+        raise Reached(a[0] if a else k.get("backend"))
+
+    monkeypatch.setattr(dist, "init_process_group", stop)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with pytest.raises(Reached, match=backend):
+        parallel.initialize(1, 1, backend=backend)
+    assert calls == ([] if backend == "gloo" else [1])
