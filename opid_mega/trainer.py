@@ -621,7 +621,8 @@ class Trainer:
         """Megatron -> rollout engine(s) as weight version `version` (opid_mega.megatron.weight_sync: a collective of
         data-parallel replica 0; rank 0 feeds its engines; the probe check every sync.check_interval syncs)."""
         try:
-            return self.weight_sync(version)
+            # colocated: the engines' KV cache and CUDA graphs come back after the transfer, before the probe
+            return self.weight_sync(version, after_transfer=self.colocation.after_sync)
         except Exception as exc:  # noqa: BLE001
             if not self.rank0:
                 raise
@@ -691,7 +692,9 @@ class Trainer:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def close(self) -> None:
-        for closer in (getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
+        # colocated: an attached server gets back the memory this run released (Ctrl-C mid-iteration included)
+        for closer in (getattr(getattr(self, "colocation", None), "close", None),
+                       getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
                        getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None)):
             if closer:
                 try:

@@ -93,13 +93,17 @@ class WeightSync:
                                  "another host: use sync.method=distributed or disk")
 
     # ---- the collective -----------------------------------------------------------------------------------------
-    def __call__(self, version: Optional[int] = None) -> dict:
+    def __call__(self, version: Optional[int] = None, after_transfer=None) -> dict:
+        """One sync (a collective). `after_transfer()` runs on every rank between the transfer and the probe check
+        (colocated: the engines' KV cache and CUDA graphs come back before the probe decodes)."""
         self.version = self.version + 1 if version is None else int(version)
         self.engines = _engines(self.engine)  # a fleet may have lost a server since the last sync
         t0 = time.perf_counter()
         sent = self._transfer() if self._sender() else 0
         out = {"weight_sync/version": self.version, "weight_sync/bytes": sent,
                "weight_sync/transfer_s": time.perf_counter() - t0}
+        if after_transfer is not None:
+            after_transfer()
         every = self.cfg.sync.check_interval
         if every and (self.version - 1) % every == 0:
             out["weight_sync/probe_max_abs_diff"] = self.check()

@@ -1,4 +1,9 @@
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: sglang_fake, tolerance
 
 
 @pytest.fixture(scope="session")
@@ -42,50 +47,16 @@ def real_sglang_cpu():
     return cpu_server_args
 
 
-class FakeSGLang:
-    """A minimal HTTP server speaking the bits of SGLang's API the engine uses: GET /server_info answers tp_size 1
-    (any other GET: {}), POST /generate answers `on_generate(request json) -> (status, body)`."""
-
-    def __init__(self, on_generate):
-        import json
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send(200, {"tp_size": 1} if self.path == "/server_info" else {})
-
-            def do_POST(self):
-                self._send(*on_generate(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))))
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def fake_sglang():
-    """Factory of :class:`FakeSGLang` servers, all closed after the test."""
+    """Factory of :class:`FakeSGLang` servers (tests/sglang_fake.py), all closed after the test:
+    make(on_generate, routes=None, tp_size=1); routes=StrictSGLang(...) adds SGLang's strict memory state machine."""
+    from sglang_fake import FakeSGLang
+
     made = []
 
-    def make(on_generate):
-        made.append(FakeSGLang(on_generate))
+    def make(on_generate=None, routes=None, tp_size: int = 1):
+        made.append(FakeSGLang(on_generate, routes=routes, tp_size=tp_size))
         return made[-1]
 
     yield make
