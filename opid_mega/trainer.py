@@ -177,7 +177,9 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
     launches = [server_args(cfg, list(cfg.rollout.sglang_args) + (["--enable-memory-saver"] if memory_saver else []),
                             g, cfg.deploy.rollout_mem_fraction) for g in groups]
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
-    fleet = launch_fleet(hf_dir, len(groups), launches[0][0], log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
+    # --dtype model.dtype unless rollout.sglang_args set it: SGLang's `auto` serves a float32 checkpoint as float16
+    fleet = launch_fleet(hf_dir, len(groups), launches[0][0], dtype=cfg.model.dtype,
+                         log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
                          envs=[env for _, env in launches], balancer="client",
                          engine_options={"cpus": list(cfg.deploy.server_cpus) or None})
     print(f"opid-train: node {node}: {len(groups)} rollout server(s) at {', '.join(fleet.urls)}", flush=True)

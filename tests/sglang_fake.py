@@ -199,11 +199,12 @@ class StrictSGLang:
 
     generate(prompts, sampling_params) -> list of SGLang /generate outputs; default: an in-process `backend`
     (LocalEngine) when given, else two fixed tokens per prompt. `model_path` is what /model_info reports (the
-    engine reads its safetensors manifest from there)."""
+    engine reads its safetensors manifest from there); `dtype` the --dtype /server_info lists."""
 
     def __init__(self, memory: Optional[SGLangMemory] = None, backend=None, model_path: Optional[str] = None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, dtype: str = "float32"):
         self.memory = memory or SGLangMemory()
+        self.dtype = dtype  # the --dtype /server_info lists (SGLang's default: auto)
         self.backend = backend
         self.model_path = model_path
         self.tp_size = tp_size
@@ -224,7 +225,7 @@ class StrictSGLang:
         if path == "/health":
             return 200, {}
         if path == "/server_info":
-            return 200, {"tp_size": self.tp_size, "weight_version": "default"}
+            return 200, {"tp_size": self.tp_size, "weight_version": "default", "dtype": self.dtype}
         if path == "/model_info":
             return 200, {"model_path": self.model_path, "weight_version": self.version}
         return None

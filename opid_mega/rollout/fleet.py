@@ -65,7 +65,7 @@ import requests
 import torch
 
 from opid_mega.rollout.engine import EngineError, GenerationResult, SamplingParams, check_prompts
-from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port
+from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
 
 _REQUEST_ERROR = re.compile(r"failed with HTTP 4\d\d")  # SGLangEngine's message for a rejected (non-retried) request
 _SERVER_ERRORS = (EngineError, requests.RequestException, OSError)
@@ -639,18 +639,20 @@ class RouterFleet(FleetEngine):
 def launch_fleet(model_path: str, n: int, server_args: Sequence[str] = (), log_dir: Optional[str] = None,
                  envs: Optional[Sequence[Optional[dict]]] = None, mem_fraction: Optional[float] = None,
                  balancer: str = "client", router_args: Sequence[str] = (), concurrent: bool = True,
-                 engine_options: Optional[dict] = None, **fleet_options) -> FleetEngine:
+                 engine_options: Optional[dict] = None, dtype: Optional[str] = None,
+                 **fleet_options) -> FleetEngine:
     """Launch `n` SGLang servers (concurrently; server k gets `envs[k]` merged into its environment, e.g.
     {"CUDA_VISIBLE_DEVICES": "2,3"}, and `--mem-fraction-static mem_fraction` unless server_args sets it) and
     return them as a FleetEngine (balancer "client") or a RouterFleet (balancer "router"). If one server fails to
-    start, the others are shut down and the first error is raised."""
+    start, the others are shut down and the first error is raised. `dtype`: their `--dtype` unless server_args set
+    it (the trainer passes model.dtype: SGLang's `auto` serves float32 as float16)."""
     if n < 1:
         raise ValueError(f"launch_fleet: n must be >= 1, got {n}")
     if balancer not in ("client", "router"):
         raise ValueError(f"launch_fleet: balancer must be 'client' or 'router', got {balancer!r}")
     if envs is not None and len(envs) != n:
         raise ValueError(f"launch_fleet: {len(envs)} envs for {n} servers")
-    args = [str(a) for a in server_args]
+    args = with_dtype(server_args, dtype)
     if mem_fraction is not None and not _has_flag(args, "--mem-fraction-static"):
         args += ["--mem-fraction-static", str(mem_fraction)]
     options = dict(engine_options or {})

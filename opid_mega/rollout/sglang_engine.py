@@ -80,10 +80,40 @@ def _flag_value(args: Sequence[str], flag: str) -> Optional[str]:
     return None
 
 
+def with_dtype(server_args: Sequence[str], dtype: Optional[str]) -> list:
+    """server_args + ["--dtype", dtype] unless they set --dtype (or dtype is None). SGLang's default `auto` serves a
+    float32 checkpoint as float16 (bfloat16 for Gemma), never what the trainer computes in: every rollout server
+    the trainer launches gets model.dtype."""
+    args = [str(a) for a in server_args]
+    return args if dtype is None or _has_flag(args, "--dtype") else args + ["--dtype", str(dtype)]
+
+
+def served_dtype(dtype: Optional[str], model_dir: Optional[str] = None) -> Optional[str]:
+    """The dtype an SGLang 0.5.23 server computes in for its --dtype value (model_config._get_and_verify_dtype):
+    an explicit dtype as given; `auto` (or none): the checkpoint's config dtype, float32 (or none) served as
+    float16 (bfloat16 for Gemma). None when `auto` cannot be resolved (no readable config.json)."""
+    dtype = {"float": "float32", "half": "float16"}.get(dtype, dtype)
+    if dtype not in (None, "auto"):
+        return dtype
+    try:
+        import json
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, TypeError, ValueError):
+        return None
+    text = config.get("dtype") or config.get("torch_dtype") or "float32"
+    text = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16"}.get(text, text)
+    if text == "float32":
+        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+    return text
+
+
 def build_server_command(model_path: str, host: str, port: int, server_args: Sequence[str] = (),
-                         cpu: bool = False, python: str = sys.executable) -> list[str]:
+                         cpu: bool = False, python: str = sys.executable, dtype: Optional[str] = None) -> list[str]:
     """The launch command: fixed model/host/port, the CPU defaults (when cpu and not overridden), then
-    server_args verbatim."""
+    server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype)."""
+    server_args = with_dtype(server_args, dtype)
     for flag in ("--model-path", "--host", "--port"):
         if _has_flag(server_args, flag):
             raise ValueError(f"server_args must not set {flag}; SGLangEngine sets it (got {list(server_args)})")
@@ -413,15 +443,19 @@ class SGLangEngine:
     @property
     def manifest(self) -> Optional[dict]:
         """{HF name: (shape, dtype name)} of the served model, from the safetensors headers of its model directory
-        (read once; the dtype is the server's --dtype when given). None when the directory is not readable here (a
-        server on another host): buckets are then sent unchecked."""
+        (read once; the dtype is the one the server computes in: its --dtype (launched: our command; attached: its
+        /server_info), `auto` resolved as SGLang does, see served_dtype). None when the directory is not readable
+        here (a server on another host): buckets are then sent unchecked."""
         if not hasattr(self, "_manifest"):
             self._manifest = None
             info = self._request("GET", "/model_info", retries=self.max_retries)
             path = info.get("model_path") if isinstance(info, dict) else None
             if path and os.path.isdir(path):
                 dtype = _flag_value(getattr(self, "command", []) or [], "--dtype")
-                self._manifest = read_manifest(path, None if dtype in (None, "auto") else dtype)
+                info = getattr(self, "server_info", None)
+                if dtype is None and isinstance(info, dict) and "dtype" in info:  # SGLang lists its arguments
+                    dtype = info["dtype"] or "auto"
+                self._manifest = read_manifest(path, None if dtype is None else served_dtype(dtype, path))
         return self._manifest
 
     def check_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
