@@ -212,7 +212,7 @@ class StrictSGLang:
         self.in_update = False
         self.generated = 0  # /generate requests served
         self.updates = 0  # update_weights_from_tensor requests applied
-        self.payload_counts: list = []  # len(serialized_named_tensors) of each tensor update
+        self.tensor_updates: list = []  # the body of every update_weights_from_tensor request
         self.lock = threading.Lock()
 
     @property
@@ -268,7 +268,7 @@ class StrictSGLang:
             m.write_weights()
             if path == "/update_weights_from_tensor":
                 payloads = body["serialized_named_tensors"]
-                self.payload_counts.append(len(payloads))
+                self.tensor_updates.append(body)
                 if self.backend is not None:
                     named = pickle.loads(base64.b64decode(payloads[0]))
                     self.backend.update_weights(named)

@@ -129,6 +129,26 @@ def build_server_command(model_path: str, host: str, port: int, server_args: Seq
 _SHARING_LOCK = threading.Lock()
 
 
+def _on_cuda(bucket) -> bool:
+    return any(t.is_cuda for _, t in bucket)
+
+
+def cuda_ipc_payloads(bucket, tp_size: int) -> list:
+    """update_weights_from_tensor payloads of CUDA tensors, built as SGLang's own callers build them (sglang
+    Engine._serialize_tensors_per_rank, HttpServerEngineAdapter): first SGLang's torch reductions patch
+    (monkey_patch_torch_reductions: a CUDA IPC handle then names its GPU by UUID instead of this process's device
+    index, which means another GPU under the server's CUDA_VISIBLE_DEVICES), then ONE serialization PER server TP
+    rank (rank r deserializes entry r only, TpModelWorker.deserialize_own_rank; each serialization holds its own
+    IPC reference, so the producer-side refcounts drop cleanly). The patch is process-wide and afterwards breaks
+    pickling CPU tensors with torch's reductions (IndexError): a process that sends CUDA buckets sends only those."""
+    from sglang.srt.utils import patch_torch
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    patch_torch.monkey_patch_torch_reductions()  # idempotent
+    named = [(n, t.detach()) for n, t in bucket]
+    return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(max(1, int(tp_size)))]
+
+
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], transport: str = "shm") -> str:
     """One base64 payload that SGLang's MultiprocessingSerializer/SafeUnpickler reads.
 
@@ -544,16 +564,13 @@ class SGLangEngine:
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         if not bucket:
             return
-        cuda = any(t.is_cuda for _, t in bucket)
-        if cuda:  # colocated GPU engine: SGLang's own serializer (CUDA IPC handles), one payload per engine TP rank
-            from sglang.srt.utils.common import MultiprocessingSerializer
-
-            payload = MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in bucket], output_str=True)
+        if _on_cuda(bucket):  # colocated GPU engine: CUDA IPC handles, one payload per server TP rank
+            payloads = cuda_ipc_payloads(bucket, self.tp_size)
         else:  # CPU: the same wire format with named shared-memory segments (see serialize_named_tensors)
-            payload = serialize_named_tensors(bucket, self.weight_transport)
+            payloads = [serialize_named_tensors(bucket, self.weight_transport)] * self.tp_size
         # Not retried: a shared-memory handle can be opened once, so a retry must re-serialize (done by the caller
-        # calling update_weights again). The payload is handles only ("shm"), so sending it tp_size times is free.
-        self._post_ok("/update_weights_from_tensor", {"serialized_named_tensors": [payload] * self.tp_size,
+        # calling update_weights again). The CPU payload is handles only ("shm"), so sending it tp_size times is free.
+        self._post_ok("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
                                                       "flush_cache": flush_cache}, retries=0)
 
     def update_weights_from_disk(self, model_path: str, version: Optional[str] = None) -> None:
