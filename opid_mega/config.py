@@ -245,7 +245,9 @@ class DeployConfig:
     # explicit GPU ids of each rollout server on a node, e.g. [[6], [7]]; empty: colocated -> the training GPUs
     # in order, disaggregated -> the node's last GPUs
     rollout_gpus: list = field(default_factory=list)
-    rollout_mem_fraction: float = 0.85  # SGLang --mem-fraction-static of each rollout server (colocated: lower it)
+    # SGLang --mem-fraction-static of each rollout server: its weights + KV cache take this fraction of the GPU memory
+    # FREE when it starts (colocated: what the trainer's weights, grads and fp32 master weights leave; opid-plan)
+    rollout_mem_fraction: float = 0.85
     # GPU ids of the analyzer server the trainer launches (node 0); a launched analyzer needs them on a GPU machine
     # and they may not overlap the training GPUs
     analyzer_gpus: list = field(default_factory=list)

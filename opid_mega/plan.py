@@ -307,6 +307,9 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     opt_full = P * opt_per_param
     opt_sharded = math.ceil(P / dp) * opt_per_param
     optimizer = opt_sharded if t.distributed_optimizer else opt_full
+    opt_params = math.ceil(P / dp) if t.distributed_optimizer else P
+    master = opt_params * main_weights  # fp32 master weights: the optimizer's parameters, on the GPU in every phase
+    moments = opt_params * 8  # Adam exp_avg + exp_avg_sq: the only state colocation moves to the host
     act = activation_bytes_per_token_layer(a, tp, p.sequence_parallel, e)
     s = t.micro_batch_tokens
     layers_per_rank = a["layers"] // pp if a["layers"] % pp == 0 else -(-a["layers"] // pp)
@@ -332,15 +335,25 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     train_peak = train_static + max(activations, scoring)
 
     # ---------------------------------------------------------------- SGLang servers
+    # SGLang sizes its pool (weights + KV cache) once, at start, as --mem-fraction-static x the GPU memory FREE
+    # then (0.5.23: pool = f x free before its weights load; KV = pool - weights). A colocated server starts after
+    # the trainer's Policy on the same GPU: its weights, DDP grad buffer and fp32 master weights are resident then
+    # and stay resident in every phase; Adam's moments too unless deploy.offload_optimizer (they do not exist yet on
+    # a fresh start, and a resumed run moves them to the host before the servers start).
+    colocated = d.mode == "colocated"
+    offloaded = colocated and d.offload_optimizer
+    resident_in_rollout = weights + grads + master + (0 if offloaded else moments)
+    srv_on_train = colocated and any(g in train_ids for grp in groups for g in grp)
+    srv_free = gpu_bytes - (resident_in_rollout if srv_on_train else 0.0)
     serve_e = e
     srv_weights = N * serve_e / rtp
-    srv_pool = d.rollout_mem_fraction * gpu_bytes
+    srv_pool = d.rollout_mem_fraction * srv_free
     srv_kv = srv_pool - srv_weights
     kv_tok = kv_bytes_per_token(a, rtp, serve_e)
     seq_tokens = r.max_prompt_tokens + r.max_response_tokens
     if groups and srv_kv < kv_tok * seq_tokens:
         errors.append(f"deploy.rollout_mem_fraction: a rollout server's pool ({d.rollout_mem_fraction} x "
-                      f"{gpu_mem_gib:g} GiB = {_gib(srv_pool)} GiB per GPU) minus its weights ({_gib(srv_weights)} GiB "
+                      f"{_gib(srv_free):g} GiB free at its start = {_gib(srv_pool)} GiB per GPU) minus its weights ({_gib(srv_weights)} GiB "
                       f"per GPU at rollout_tp={rtp}) leaves {_gib(max(srv_kv, 0))} GiB of KV cache, less than one "
                       f"sequence of {seq_tokens} tokens ({_gib(kv_tok * seq_tokens)} GiB); raise it or deploy.rollout_tp")
     an_weights = an_pool = an_kv = 0.0
@@ -364,8 +377,6 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
             notes.append(f"analyzer model not known ({err}); its KV cache is not checked")
 
     # ---------------------------------------------------------------- every GPU of node 0
-    colocated = d.mode == "colocated"
-    resident_in_rollout = weights + grads + (0 if (colocated and d.offload_optimizer) else optimizer)
     per_gpu = []
     for g in range(G):
         is_train = g in train_ids
@@ -394,6 +405,9 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         gpu=fullest["gpu"], gpu_mem_gib=gpu_mem_gib,
         params_rank=P, params_stages=rp["stages"],
         weights_bytes=int(weights), grads_bytes=int(grads), optimizer_bytes=int(optimizer),
+        master_bytes=int(master), moments_bytes=int(moments), master_gib=_gib(master), moments_gib=_gib(moments),
+        resident_in_rollout_bytes=int(resident_in_rollout) if colocated else 0,
+        resident_in_rollout_gib=_gib(resident_in_rollout) if colocated else 0.0,
         weights_gib=_gib(weights), grads_gib=_gib(grads),
         optimizer_gib=_gib(optimizer), optimizer_unsharded_gib=_gib(opt_full), optimizer_sharded_gib=_gib(opt_sharded),
         activations_gib=_gib(activations), activations_none_gib=_gib(act_none),
@@ -403,6 +417,8 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         scoring_head_gib=_gib(score_head), scoring_tokens=score_tokens,
         train_peak_gib=_gib(train_peak),
         rollout_servers_per_node=len(groups), rollout_groups=groups,
+        sglang_free_at_start_bytes=int(srv_free) if groups else 0, sglang_pool_bytes=int(srv_pool) if groups else 0,
+        sglang_kv_bytes=int(max(srv_kv, 0)) if groups else 0, sglang_free_at_start_gib=_gib(srv_free) if groups else 0.0,
         sglang_pool_gib=_gib(srv_pool) if groups else 0.0, sglang_weights_gib=_gib(srv_weights) if groups else 0.0,
         sglang_kv_gib=_gib(max(srv_kv, 0)) if groups else 0.0,
         sglang_kv_tokens=int(max(srv_kv, 0) // kv_tok) if groups else 0,
@@ -443,7 +459,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     if method == "auto":
         method = "distributed" if (d.mode == "disaggregated" and gpu_cluster) else "tensor" if colocated else "disk"
     t_sync = sync_bytes * 8 / (sync_gbps * 1e9) * (2 if method == "disk" else 1)
-    t_offload = 2 * optimizer * 8 / (host_gbps * 1e9) if (colocated and d.offload_optimizer and gpu_cluster) else 0.0
+    t_offload = 2 * moments * 8 / (host_gbps * 1e9) if (colocated and d.offload_optimizer and gpu_cluster) else 0.0
     total_t = t_rollout + t_analysis + t_score + t_train + t_sync + t_offload
     time = dict(
         rollout_tokens=rollout_tokens, decode_tok_s_per_gpu=round(per_gpu_decode, 1), rollout_gpus=rollout_gpus,
@@ -488,7 +504,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
                     f"step-samples x (max_prompt + max_response), attention FLOPs ignored"),
         "weight sync": (f"{sync_bytes / 1e9:.2f} GB (N x {e} B) per iteration at {sync_gbps:g} Gbit/s (--sync-gbps), "
                         f"method {method}" + (" (written and read: x2)" if method == "disk" else "")),
-        "offload": (f"optimizer state to host and back at {host_gbps:g} Gbit/s (--host-gbps)" if t_offload else
+        "offload": (f"Adam's moments to host and back at {host_gbps:g} Gbit/s (--host-gbps)" if t_offload else
                     "no optimizer offload"),
         "phases": "rollout, analysis, scoring, training and sync run one after the other",
     }
@@ -532,6 +548,8 @@ def render(res: dict) -> str:
         ("optimizer (used)", m["optimizer_gib"], "train.distributed_optimizer"),
         ("  unsharded", m["optimizer_unsharded_gib"], "fp32 main weights + 2 Adam moments"),
         ("  sharded over DP", m["optimizer_sharded_gib"], ""),
+        ("  fp32 master (stays)", m["master_gib"], "on the GPU in every phase"),
+        ("  Adam moments", m["moments_gib"], "to the host during rollout (colocated, deploy.offload_optimizer)"),
         ("activations (used)", m["activations_gib"], "train.recompute"),
         ("  no recompute", m["activations_none_gib"], f"{m['activation_bytes_per_token_layer']:.0f} B/token/layer"),
         ("  selective", m["activations_selective_gib"], ""),
@@ -539,8 +557,11 @@ def render(res: dict) -> str:
         ("fork scoring", m["scoring_gib"], f"{m['scoring_tokens']} tokens: layer {m['scoring_layer_gib']}, "
                                            f"prefix KV {m['scoring_prefix_kv_gib']}, head {m['scoring_head_gib']}"),
         ("training rank peak", m["train_peak_gib"], "weights + grads + optimizer + max(activations, scoring)"),
+        ("trainer resident (rollout)", m["resident_in_rollout_gib"], "weights + grads + fp32 master (+ moments "
+                                                                      "unless offloaded); colocated"),
         ("SGLang pool / server GPU", m["sglang_pool_gib"], f"weights {m['sglang_weights_gib']} + KV "
-                                                          f"{m['sglang_kv_gib']} ({m['sglang_kv_tokens']:,} tokens)"),
+                                                          f"{m['sglang_kv_gib']} ({m['sglang_kv_tokens']:,} tokens); "
+                                                          f"fraction of {m['sglang_free_at_start_gib']} GiB free"),
         ("analyzer pool", m["analyzer_pool_gib"], f"weights {m['analyzer_weights_gib']} + KV {m['analyzer_kv_gib']}"),
         ("reference (host)", m["host_reference_gib"], "CPU copy, not on the GPU"),
     ]

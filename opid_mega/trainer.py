@@ -438,6 +438,13 @@ class Trainer:
             self.start, state = self.policy.load(self.ckpt_dir)
             self.skill_bank = state.get("skill_bank", {})
             self.analysis_failures = state.get("analysis_failures", 0)
+        # colocated on GPU: a resumed optimizer's Adam moments go to the host before the rollout servers start
+        # (SGLang sizes its KV cache from the memory free then, as opid-plan assumes; during rollout they are on the
+        # host anyway, see Colocation)
+        if resume and cfg.deploy.mode == "colocated" and cfg.deploy.offload_optimizer and torch.cuda.is_available():
+            from opid_mega.megatron.colocate import Colocation
+
+            Colocation(cfg, self.policy, None).before_sync()
         # every node's first rank launches that node's rollout servers; global rank 0 drives all of them
         self.servers = launch_node_servers(cfg, hf_dir) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else []
         urls = gather_server_urls(self.servers)
