@@ -190,23 +190,30 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if not apply_core_budget("opid-train", cfg):
         return 2
-    if os.environ.get("RANK", "0") == "0":
-        print(first_run_notice(cfg), flush=True)
+    from opid_mega import shutdown
+
+    # SIGTERM / SIGHUP take Ctrl-C's path: a checkpoint write completes, the launched servers and the router are
+    # shut down, one line, exit 128 + signum (opid_mega.shutdown; a watchdog covers a rank blocked in C code)
+    shutdown.install_signal_handlers("opid-train")
     try:
+        if os.environ.get("RANK", "0") == "0":
+            print(first_run_notice(cfg), flush=True)
         from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
 
         train(cfg, str(run_dir), resume=bool(args.resume))
     except RolloutEngineDied as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 3
-    except TrainingInterrupted as e:  # Ctrl-C: one line, on rank 0
+    except TrainingInterrupted as e:  # Ctrl-C / SIGTERM / SIGHUP: one line, on rank 0
         if os.environ.get("RANK", "0") == "0":
             print(f"opid-train: {e}", file=sys.stderr, flush=True)
-        return 130
-    except KeyboardInterrupt:  # while importing
+        shutdown.exit_now(128 + e.signum)  # what is still registered is stopped; threads are not waited for
+    except KeyboardInterrupt as e:  # while importing
+        signum = shutdown.signal_of(e)
         if os.environ.get("RANK", "0") == "0":
-            print("opid-train: interrupted before training started; nothing to resume", file=sys.stderr, flush=True)
-        return 130
+            print(f"opid-train: {shutdown.describe(signum)} before training started; nothing to resume",
+                  file=sys.stderr, flush=True)
+        shutdown.exit_now(128 + signum)
     if os.environ.get("RANK", "0") == "0":
         print(f"opid-train: done, run directory {run_dir} (plots: opid-report {run_dir})")
     return 0

@@ -86,6 +86,24 @@ class RolloutConfig:
     top_p: float = 1.0
     max_prompt_tokens: int = 2048
     max_response_tokens: int = 512
+    # Deadlines (docs/runs.md "Deadlines"). request_timeout_s: one HTTP generate request to an SGLang server (or the
+    # router) that gets no reply in this time is a server failure, never retried on that server: in a fleet the
+    # server leaves rotation like a dead one and its prompts go to the others; a lone server ends the run
+    # (RolloutEngineDied). deadline_s: the whole rollout of one iteration (and each evaluation rollout); when it
+    # passes, the trajectories still running end as deadline failures (left out like env errors, counted in
+    # rollout/deadline_trajectories) and the finished ones train; none finished ends the run (RolloutEngineDied).
+    # Sizing for the paper configs (configs/qwen*.yaml, GPU decode): a step is one generate call of up to 128
+    # (16x8) or 1024 (128x8) prompts x <= 512 new tokens. A fleet sends chunks of <= 64 prompts and keeps <= 256
+    # prompts in flight per server: a chunk waits for at most 256 x 512 = 131k tokens of its server, ~2 min at a
+    # conservative 1,000 tok/s (an H100 serving 1.7B-7B decodes several thousand tok/s at batch >= 64); a lone
+    # server takes a whole step in one request: 128 x 512 = 65k tokens (~1 min), 1024 x 512 = 524k tokens (~9 min
+    # at 1,000 tok/s, ~3 min at 3,000). 600 s covers these with margin and still finds a wedged server in 10 min.
+    # A rollout is <= 30 steps (ALFWorld; WebShop 15, Search-QA 4 of 1024 prompts): 30 x ~20 s (128 prompts over
+    # 2 servers) or 4 x ~4.5 min (1024 prompts) = ~10-20 min plus env time; 7200 s leaves room for that x 5 and for
+    # one wedged server found after request_timeout_s and its prompts re-sent. The CPU configs (local engine, or a
+    # tiny model on a CPU SGLang server: a step of <= 8 prompts x <= 64 tokens at >= 20 tok/s, < 30 s) fit both.
+    request_timeout_s: float = 600.0
+    deadline_s: float = 7200.0
 
 
 @dataclass
@@ -110,6 +128,13 @@ class AnalyzerConfig:
     json_mode: bool = True  # JSON-constrained decoding where the server supports it
     # On-disk analysis cache (JSONL, keyed by the trajectory text); empty: <run_dir>/analysis_cache.jsonl.
     cache_path: str = ""
+    # Deadline of one iteration's analysis, from its submission (docs/runs.md "Deadlines"): the analyses not done
+    # by then are failures (no skill signal, counted in analysis/deadline_failures and analysis/failures_total,
+    # audited) and the iteration goes on. Sizing for the paper configs: 128 (or 1024) calls, concurrency 64 (128),
+    # one reply <= max_tokens 4096; typical replies of a few hundred tokens take ~10-40 s on a GPU server, so 2 (8)
+    # waves take minutes; each call may take (1 + max_retries) x timeout_s + backoff ~ 15 min at worst. 3600 s
+    # covers several such slow waves and bounds an iteration whose analyzer answers nothing.
+    deadline_s: float = 3600.0
 
 
 @dataclass
@@ -323,6 +348,7 @@ _POSITIVE_INT = (lambda v: v >= 1, "an integer >= 1")
 _NON_NEG = (lambda v: v >= 0, "a number >= 0")
 _POSITIVE = (lambda v: v > 0, "a number > 0")
 _PROB = (lambda v: 0 < v <= 1, "a number in (0, 1]")
+_SECONDS = (lambda v: 0 < v <= 1e7, "a number of seconds in (0, 1e+07]")
 
 _CHECKS: dict[str, tuple] = {
     "parallel.tp": _POSITIVE_INT,
@@ -339,6 +365,9 @@ _CHECKS: dict[str, tuple] = {
     "rollout.top_p": _PROB,
     "rollout.max_prompt_tokens": _POSITIVE_INT,
     "rollout.max_response_tokens": _POSITIVE_INT,
+    "rollout.request_timeout_s": _SECONDS,
+    "rollout.deadline_s": _SECONDS,
+    "analyzer.deadline_s": _SECONDS,
     "analyzer.max_step_skills": (lambda v: v >= 0, "an integer >= 0"),
     "analyzer.gamma": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "analyzer.concurrency": _POSITIVE_INT,

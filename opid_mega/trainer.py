@@ -49,7 +49,12 @@ class RolloutEngineDied(RuntimeError):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C (SIGINT) during training; the message says where it stopped, the last checkpoint and how to resume."""
+    """Ctrl-C (SIGINT), SIGTERM or SIGHUP during training (`signum`); the message says where it stopped, the last
+    checkpoint and how to resume."""
+
+    def __init__(self, message: str, signum: int = 2):  # 2: SIGINT
+        super().__init__(message)
+        self.signum = int(signum)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,7 +74,8 @@ def build_agent_loop(cfg: Config, engine, tokenizer, hf_dir: str):
 
 def play(loop, cfg: Config, tasks, group_size: int, temperature: float, seed: int, skills=None):
     """len(tasks) x group_size trajectories (a RolloutBatch). `skills`: one optional episode skill per trajectory,
-    put into the rollout prompt itself (skill_grpo). Engine failures surface as RolloutEngineDied."""
+    put into the rollout prompt itself (skill_grpo). Engine failures surface as RolloutEngineDied. The rollout ends
+    within rollout.deadline_s (the trajectories still running then are deadline failures: AgentLoop)."""
     from opid_mega.rollout.engine import SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p,
@@ -77,7 +83,7 @@ def play(loop, cfg: Config, tasks, group_size: int, temperature: float, seed: in
                               stop_token_ids=tuple(loop.stop_token_ids), seed=seed)
     try:
         return loop.run(tasks, group_size, sampling, rollout_skills=skills, skill_kind=algo.EPISODE,
-                        placement=cfg.algo.placement)
+                        placement=cfg.algo.placement, deadline_s=cfg.rollout.deadline_s)
     except Exception as exc:  # noqa: BLE001 - env failures are handled inside the loop: this is the engine
         raise RolloutEngineDied(f"rollout engine failed: {type(exc).__name__}: {exc}") from exc
 
@@ -181,7 +187,8 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
     fleet = launch_fleet(hf_dir, len(groups), launches[0][0], dtype=cfg.model.dtype,
                          log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
                          envs=[env for _, env in launches], balancer="client",
-                         engine_options={"cpus": list(cfg.deploy.server_cpus) or None})
+                         engine_options={"cpus": list(cfg.deploy.server_cpus) or None,
+                                         "request_timeout_s": cfg.rollout.request_timeout_s})
     print(f"opid-train: node {node}: {len(groups)} rollout server(s) at {', '.join(fleet.urls)}", flush=True)
     return list(fleet.engines)
 
@@ -203,12 +210,14 @@ def build_engine(cfg: Config, hf_dir: str, servers: Optional[list] = None, urls:
     if cfg.rollout.sglang_url:
         urls = [u.strip() for u in cfg.rollout.sglang_url.split(",") if u.strip()]
     own = {e.url: e for e in servers}
-    engines = [own.get(u) or make_engine("sglang", None, url=u) for u in urls]
+    engines = [own.get(u) or make_engine("sglang", None, url=u, request_timeout_s=cfg.rollout.request_timeout_s)
+               for u in urls]
     if len(engines) == 1 and cfg.deploy.balancer == "client":
         return engines[0]
     if cfg.deploy.balancer == "router":
         return RouterFleet(engines, router_args=list(cfg.deploy.router_args),
-                           log_dir=os.path.join(cfg.logging.run_dir, "sglang"))
+                           log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
+                           request_timeout_s=cfg.rollout.request_timeout_s)
     return FleetEngine(engines)
 
 
@@ -428,6 +437,7 @@ class Trainer:
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
+        self.deadline_failures = 0  # analyses of the current iteration that missed analyzer.deadline_s
         self.start = 0
         self.current = 0  # the iteration in progress (0: none yet)
         if resume:
@@ -513,8 +523,14 @@ class Trainer:
             audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
             self.colocation.after_rollout()
         # a trajectory whose env raised was ended by the loop; it is left out (a simulator fault is no outcome)
-        trajs = [t for t in batch.trajectories if not t.env_error]
+        # so is one the rollout deadline ended (rollout.deadline_s: counted in rollout/deadline_trajectories)
+        trajs = [t for t in batch.trajectories if not t.env_error and not t.deadline_failure]
         samples = [(ti, si, s) for ti, t in enumerate(trajs) for si, s in enumerate(t.steps)]
+        late = sum(t.deadline_failure for t in batch.trajectories)
+        if not trajs and late:
+            raise RolloutEngineDied(f"the rollout passed rollout.deadline_s={cfg.rollout.deadline_s:g} s with none of "
+                                    f"its {len(batch.trajectories)} trajectories finished ({late} cut by the "
+                                    "deadline)")
         if not samples:
             raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
                                "rollout/env_errors and the trajectories' errors)")
@@ -601,6 +617,7 @@ class Trainer:
             "train/step_samples": len(samples),
             "rollout/trajectories": len(batch.trajectories),
             "rollout/env_errors": sum(t.env_error for t in batch.trajectories),
+            "rollout/deadline_trajectories": late,
             "adv/outcome_abs_mean": out_abs,
             "adv/skill_abs_mean": skill_abs,
             "adv/skill_share": skill_abs / (out_abs + skill_abs) if out_abs + skill_abs > 0 else 0.0,
@@ -608,6 +625,7 @@ class Trainer:
             "analysis/failure_rate": (len(analyses) - len(analyzed)) / len(analyses) if cfg.algo.needs_analysis
             else None,
             "analysis/failures_total": self.analysis_failures,
+            "analysis/deadline_failures": self.deadline_failures if cfg.algo.needs_analysis else None,
             "ppo/clipfrac": ppo.get("clipfrac"),
             "ppo/kl": ppo.get("kl"),
             "ppo/approx_kl": ppo.get("approx_kl"),
@@ -639,18 +657,37 @@ class Trainer:
 
     # ---- analysis -----------------------------------------------------------------------------------------------
     def _submit(self, views, it):
+        """Start the analysis of `views` in the background; it must be done within analyzer.deadline_s from now."""
         if self.analyzer is None:
             return None
         from opid_mega.skills.llm_analyzer import LLMAnalyzer
 
-        return self.analyzer.submit(views, iteration=it) if isinstance(self.analyzer, LLMAnalyzer) \
-            else self.analyzer.submit(views)
+        deadline_s = self.cfg.analyzer.deadline_s
+        job = self.analyzer.submit(views, iteration=it, deadline_s=deadline_s) \
+            if isinstance(self.analyzer, LLMAnalyzer) else self.analyzer.submit(views)
+        # the LLM analyzer ends its own job at the deadline (partial results); a little slack for it to return
+        job.opid_deadline = time.monotonic() + deadline_s + (30.0 if isinstance(self.analyzer, LLMAnalyzer) else 0.0)
+        return job
 
     def _collect(self, job, views, it, count_failures: bool = True) -> list:
+        """The analyses of a job from _submit, one per view (None: no skill signal). Past analyzer.deadline_s the
+        analyses not done are failures (audited; counted in analysis/deadline_failures); the run goes on."""
+        if count_failures:
+            self.deadline_failures = 0
         if job is None:
             return [None] * len(views)
+        late = 0
         try:
-            analyses = list(job.result())
+            analyses = list(job.result(timeout=max(0.0, getattr(job, "opid_deadline", math.inf) - time.monotonic())))
+            late = sum(str(getattr(r, "failure", "") or "").startswith(("deadline:", "transport: deadline:"))
+                       for r in getattr(job, "records", []))
+        except TimeoutError:  # an analyzer that does not keep the deadline itself: the whole batch is late
+            job.cancel()
+            analyses, late = [None] * len(views), len(views)
+            for v in views:
+                self.audit.log_analysis(iteration=it, traj_id=v.traj_id, task=v.task, won=v.won, prompt=None,
+                                        raw_reply=None, failure=f"deadline: analyzer.deadline_s="
+                                                                f"{self.cfg.analyzer.deadline_s:g} s passed")
         except Exception as exc:  # noqa: BLE001 - an analyzer crash costs the skill term, never the run
             analyses = [None] * len(views)
             for v in views:
@@ -665,6 +702,7 @@ class Trainer:
                                         analyzer=type(self.analyzer).__name__)
         if count_failures:
             self.analysis_failures += sum(a is None for a in analyses)
+            self.deadline_failures = late
         return analyses
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
@@ -719,7 +757,8 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False) -> P
     try:
         trainer = Trainer(cfg, run_dir, resume)
         trainer.fit()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.shutdown.Interrupted)
+        from opid_mega import shutdown
         from opid_mega.megatron.checkpoint import latest_step
 
         run = Path(run_dir or cfg.logging.run_dir)
@@ -728,12 +767,27 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False) -> P
         last = latest_step(run / "checkpoints")
         ckpt = f"last checkpoint {run / 'checkpoints'}/step_{last}" if last is not None else "no checkpoint yet"
         how = f"resume with: opid-train --resume {run}" if last is not None else "nothing to resume: start it again"
-        raise TrainingInterrupted(f"interrupted {where}; {ckpt}; {how}") from None
+        signum = shutdown.signal_of(exc)
+        raise TrainingInterrupted(f"{shutdown.describe(signum)} {where}; {ckpt}; {how}", signum) from None
     finally:
-        for owned in ([trainer.engine] + list(getattr(trainer, "servers", []))) if trainer is not None else []:
-            if owned is not None:
-                try:
-                    owned.shutdown()
-                except Exception:  # noqa: BLE001
-                    pass
+        owned = ([trainer.engine] + list(getattr(trainer, "servers", []))) if trainer is not None else []
+        shutdown_all([o for o in owned if o is not None])
     return trainer.run_dir
+
+
+def shutdown_all(owned: list) -> None:
+    """shutdown() of each, concurrently (a server takes seconds to stop: one after another, a node's 7 servers would
+    not fit the ~30 s between torchrun's or SLURM's SIGTERM and its SIGKILL). Errors are ignored."""
+    import threading
+
+    def stop(o):
+        try:
+            o.shutdown()
+        except Exception:  # noqa: BLE001 - stop the others anyway
+            pass
+
+    threads = [threading.Thread(target=stop, args=(o,), name="opid-shutdown", daemon=True) for o in owned]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -85,20 +85,25 @@ def _set_rng_state(st: dict) -> None:
 @contextlib.contextmanager
 def _ctrl_c_after_write():
     """Ctrl-C (SIGINT) while a checkpoint is written is held back until the write is complete, then raised as
-    KeyboardInterrupt. The writer processes megatron forks meanwhile inherit the holding handler, so the same Ctrl-C
-    (a terminal sends it to the whole process group) cannot kill them halfway through a file either."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
+    KeyboardInterrupt; so are SIGTERM and SIGHUP when opid-train turned them into interrupts
+    (opid_mega.shutdown: raised as shutdown.Interrupted). The writer processes megatron forks meanwhile inherit the
+    holding handler, so the same signal (a terminal sends Ctrl-C to the whole process group) cannot kill them halfway
+    through a file either. The write is marked in opid_mega.shutdown, whose watchdog waits for it."""
+    from opid_mega import shutdown
+
+    held = {} if threading.current_thread() is not threading.main_thread() else {
+        s: h for s in shutdown.SIGNALS if shutdown.is_interrupt_handler(h := signal.getsignal(s))}
     caught = []
-    signal.signal(signal.SIGINT, lambda *_: caught.append(1))
+    for s in held:
+        signal.signal(s, lambda signum, _frame: caught.append(signum))
     try:
-        yield
+        with shutdown.writing():
+            yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in held.items():
+            signal.signal(s, h)
     if caught:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt if caught[0] == signal.SIGINT else shutdown.Interrupted(caught[0])
 
 
 def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict] = None, keep: int = 0) -> str:

@@ -24,6 +24,11 @@ ids are kept, the skill insertion points shift with them; `prompt_text` stays th
 trajectory.
 Engine errors (dead server...) are not env problems and propagate.
 
+Deadline: `run(..., deadline_s=D)` ends the rollout D seconds after it started: the trajectories still running then
+end as deadline failures (`Trajectory.deadline_failure`, `error` says so; the trainer leaves them out and counts
+them), the finished ones are kept. An engine whose generate takes `deadline=` (SGLangEngine, FleetEngine) has the
+generate call in flight cut short at that instant (RolloutDeadline); any other engine is checked between steps.
+
 Sampling seeds: when `sampling.seed` is set, step k of a run samples with `step_seed(sampling.seed, k)`, a distinct
 seed per step that depends only on (seed, k): a run (and a resumed run) is reproducible step by step.
 
@@ -33,6 +38,7 @@ action, or the no-op (the empty string) when the response had none.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -42,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 from opid_mega.envs.base import EnvTimeout, step_with_timeout
-from opid_mega.rollout.engine import RolloutEngine, SamplingParams
+from opid_mega.rollout.engine import RolloutDeadline, RolloutEngine, SamplingParams
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 
 _SENTINEL = "\ue000OPID_USER_MESSAGE\ue000"
@@ -216,18 +222,36 @@ class AgentLoop:
         self._pool.shutdown(wait=True)
 
     # ---- rollout ------------------------------------------------------------------------------------------------
+    def _generate(self, prompt_ids, sampling: SamplingParams, deadline: Optional[float]):
+        """engine.generate, with the deadline when the engine takes one."""
+        if deadline is not None:
+            takes = getattr(self, "_takes_deadline", None)
+            if takes is None:
+                try:
+                    takes = "deadline" in inspect.signature(self.engine.generate).parameters
+                except (TypeError, ValueError):
+                    takes = False
+                self._takes_deadline = takes
+            if takes:
+                return self.engine.generate(prompt_ids, sampling, deadline=deadline)
+        return self.engine.generate(prompt_ids, sampling)
+
     def run(self, tasks: Sequence, group_size: int, sampling: SamplingParams,
             rollout_skills: Optional[Sequence[Optional[str]]] = None, skill_kind: str = "episode",
-            placement: str = "faithful") -> RolloutBatch:
+            placement: str = "faithful", deadline_s: Optional[float] = None) -> RolloutBatch:
         """Roll out G = group_size trajectories for each task. `rollout_skills` (skill_grpo): one optional skill
         text per trajectory (group-major: index = task_index * G + g), injected into every prompt of that
-        trajectory with opid_mega.skills.inject_skill(prompt, skill, skill_kind, placement)."""
+        trajectory with opid_mega.skills.inject_skill(prompt, skill, skill_kind, placement). `deadline_s`: see
+        the module docstring."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if deadline_s is not None and not 0 < deadline_s < float("inf"):
+            raise ValueError(f"deadline_s must be a finite number > 0 (or None: no deadline), got {deadline_s!r}")
         n = len(tasks) * group_size
         if rollout_skills is not None and len(rollout_skills) != n:
             raise ValueError(f"rollout_skills has {len(rollout_skills)} entries, expected tasks x group = {n}")
         t_start = time.perf_counter()
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
         batch = RolloutBatch()
         lives: list[_Live] = []
         for b, task in enumerate(tasks):
@@ -260,12 +284,25 @@ class AgentLoop:
 
         list(self._pool.map(reset, range(n)))
 
+        def past_deadline(running, step: int) -> None:
+            for lv in running:
+                lv.traj.error = (f"rollout deadline: rollout.deadline_s={deadline_s:g} s passed at step {step}, "
+                                 "before the episode ended")
+                lv.traj.deadline_failure = True
+                lv.done = True
+            if running:
+                log.warning("rollout deadline (%g s) passed at step %d: %d trajectories ended unfinished",
+                            deadline_s, step, len(running))
+
         step = 0
         while True:
             live = [lv for lv in lives if not lv.done]
             if self.max_steps is not None and step >= self.max_steps:
                 break
             if not live:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                past_deadline(live, step)
                 break
             prompts: list[tuple[_Live, str, list[int], int, int]] = []
             for lv in live:
@@ -293,7 +330,12 @@ class AgentLoop:
             step_sampling = sampling if sampling.seed is None else dataclasses.replace(
                 sampling, seed=step_seed(sampling.seed, step))
             t0 = time.perf_counter()
-            results = self.engine.generate([p[2] for p in prompts], step_sampling)
+            try:
+                results = self._generate([p[2] for p in prompts], step_sampling, deadline)
+            except RolloutDeadline:
+                batch.generate_time_s += time.perf_counter() - t0
+                past_deadline([p[0] for p in prompts], step)
+                break
             batch.generate_time_s += time.perf_counter() - t0
             batch.num_generate_calls += 1
 

@@ -29,6 +29,11 @@ class EngineError(RuntimeError):
     """The rollout engine cannot serve (dead server, bad request, weight update refused...)."""
 
 
+class RolloutDeadline(EngineError):
+    """A generate call was cut short by the rollout's deadline (rollout.deadline_s): no server failure — the
+    agent loop ends the trajectories still running as deadline failures."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one batched generate call.

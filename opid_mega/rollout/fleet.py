@@ -17,6 +17,10 @@ requests error) — takes that server out of rotation for the life of the fleet 
 for another live server; only when no server is left does generate raise EngineError naming every server and its
 error. A request the server rejects (HTTP 4xx, a bad prompt) is not a server failure: it is raised at once. Nothing
 is lost or duplicated: results are placed by global prompt index, and the chunk that failed is re-sent whole.
+A wedged server (alive, but no reply within its engine's request timeout, rollout.request_timeout_s) and a server
+whose reply is malformed (not JSON, a result of the wrong shape: SGLangEngine raises EngineError for both) are server
+failures like a dead one. `generate(..., deadline=t)` (time.monotonic(): the rollout's deadline) raises
+RolloutDeadline at t, abandoning the chunks in flight; that is no server failure.
 
 Seeds: prompt i of the call gets seed `sampling.seed + i` (its index in the WHOLE call, passed per prompt to
 SGLangEngine.generate(seeds=...)), so sampled results do not depend on how the call was split.
@@ -64,7 +68,8 @@ from typing import Any, Iterable, Optional, Sequence
 import requests
 import torch
 
-from opid_mega.rollout.engine import EngineError, GenerationResult, SamplingParams, check_prompts
+from opid_mega import shutdown as _shutdown
+from opid_mega.rollout.engine import EngineError, GenerationResult, RolloutDeadline, SamplingParams, check_prompts
 from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
 
 _REQUEST_ERROR = re.compile(r"failed with HTTP 4\d\d")  # SGLangEngine's message for a rejected (non-retried) request
@@ -236,7 +241,7 @@ class FleetEngine:
                 target.server.inflight_tokens += sign * tokens
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+                 seeds: Optional[Sequence[int]] = None, deadline: Optional[float] = None) -> list[GenerationResult]:
         if self._closed:
             raise EngineError("the rollout fleet was shut down")
         prompts = check_prompts(prompt_ids)
@@ -268,14 +273,19 @@ class FleetEngine:
                     self._add_load(target, len(chunk), tokens, +1)
                     key = target.server.index if target.server is not None else -1
                     busy[key] = busy.get(key, 0) + 1
-                    fut = pool.submit(target.send, [prompts[i] for i in chunk], sampling, [seeds[i] for i in chunk])
+                    fut = pool.submit(target.send, [prompts[i] for i in chunk], sampling, [seeds[i] for i in chunk],
+                                      **({} if deadline is None else {"deadline": deadline}))
                     inflight[fut] = (target, chunk, tokens, key)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RolloutDeadline(f"rollout fleet: the rollout deadline passed with "
+                                          f"{sum(r is None for r in results)} of {n} prompts unanswered")
                 if not inflight:
                     if self._targets_exhausted():
                         raise self._no_server_error(f"generate {sum(len(c) for c in pending)} prompts")
                     time.sleep(0.01)  # every live server is full with other calls' work
                     continue
-                done, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+                done, _ = wait(list(inflight), return_when=FIRST_COMPLETED, timeout=left)
                 for fut in done:
                     target, chunk, tokens, key = inflight.pop(fut)
                     self._add_load(target, len(chunk), tokens, -1)
@@ -290,7 +300,8 @@ class FleetEngine:
                             continue
                         error = EngineError(f"returned {len(out) if isinstance(out, list) else type(out).__name__}"
                                             f" results for {len(chunk)} prompts")
-                    if _is_request_error(error) or not isinstance(error, _SERVER_ERRORS):
+                    if isinstance(error, RolloutDeadline) or _is_request_error(error) or \
+                            not isinstance(error, _SERVER_ERRORS):
                         raise error
                     self._on_failure(target, error)
                     cid = chunk[0]
@@ -452,8 +463,11 @@ class RouterFleet(FleetEngine):
         self._router_log = open(self.router_log_path, "ab")
         self._router_log.write(("$ " + " ".join(self.command) + "\n").encode())
         self._router_log.flush()
+        if _shutdown.stopping():
+            raise EngineError("not launching the SGLang router: the trainer is shutting down")
         self._router_proc = subprocess.Popen(self.command, stdout=self._router_log, stderr=subprocess.STDOUT,
                                              start_new_session=True)
+        _shutdown.register_group(self._router_proc.pid, f"SGLang router {self.router_url}")
         atexit.register(self._stop_router)
         self.request_timeout_s = float(request_timeout_s)
         self._router_session = requests.Session()
@@ -514,9 +528,11 @@ class RouterFleet(FleetEngine):
         except (requests.RequestException, ValueError, KeyError, AttributeError):
             pass
 
-    def _router_send(self, prompts: list, sampling: SamplingParams, seeds: list) -> list[GenerationResult]:
+    def _router_send(self, prompts: list, sampling: SamplingParams, seeds: list,
+                     deadline: Optional[float] = None) -> list[GenerationResult]:
         """One request per prompt (the router's typed /generate takes ONE sampling_params object, not SGLang's
-        per-prompt list, and per-prompt seeds need their own params); the router picks the worker of each."""
+        per-prompt list, and per-prompt seeds need their own params); the router picks the worker of each. No reply
+        within request_timeout_s, or a malformed one, is EngineError (a failure: the workers are probed)."""
         out = []
         for ids, seed in zip(prompts, seeds):
             p = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
@@ -525,13 +541,32 @@ class RouterFleet(FleetEngine):
                 p["stop_token_ids"] = list(sampling.stop_token_ids)
             if seed is not None:
                 p["sampling_seed"] = int(seed)
-            r = self._router_session.post(self.router_url + "/generate", timeout=self.request_timeout_s,
-                                          json={"input_ids": ids, "sampling_params": p, "return_logprob": True})
+            read_s, cut = self.request_timeout_s, False
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RolloutDeadline(f"SGLang router {self.router_url}: the rollout deadline has passed")
+                if left < read_s:
+                    read_s, cut = left, True
+            try:
+                r = self._router_session.post(self.router_url + "/generate", timeout=(min(10.0, read_s), read_s),
+                                              json={"input_ids": ids, "sampling_params": p, "return_logprob": True})
+            except requests.ReadTimeout as e:
+                if cut:
+                    raise RolloutDeadline(f"SGLang router {self.router_url}: no reply before the rollout "
+                                          "deadline") from e
+                raise EngineError(f"SGLang router POST /generate at {self.router_url}: no reply within "
+                                  f"{self.request_timeout_s:g} s (rollout.request_timeout_s)") from e
             if r.status_code != 200:
                 raise EngineError(f"SGLang router POST /generate at {self.router_url} failed with HTTP "
                                   f"{r.status_code}: {r.text[:500]}")
-            o = r.json()
-            out.append(SGLangEngine._parse_result(o[0] if isinstance(o, list) else o))
+            try:
+                o = r.json()
+            except ValueError:
+                raise EngineError(f"SGLang router POST /generate at {self.router_url}: malformed reply (HTTP 200, "
+                                  f"not JSON): {r.text[:300]!r}") from None
+            out.append(SGLangEngine._parse_result(o[0] if isinstance(o, list) and len(o) == 1 else o,
+                                                  f"SGLang router {self.router_url}"))
         return out
 
     # ---- generate through the router ------------------------------------------------------------------------------
@@ -625,6 +660,7 @@ class RouterFleet(FleetEngine):
         if proc.poll() is None:
             _signal_group(proc, signal.SIGTERM, 5.0)
         _signal_group(proc, signal.SIGKILL, 5.0)
+        _shutdown.unregister_group(proc.pid)
         if self._router_log is not None and not self._router_log.closed:
             self._router_log.close()
 

@@ -14,8 +14,16 @@ added (each only when server_args does not set it; the last keeps an idle server
 install SGLang for CPU with tools/install_sglang_cpu.sh). SGLANG_USE_CPU_ENGINE is removed from the server's env:
 the official CPU engine needs a kernel package that is not on PyPI.
 
-Requests retry with capped exponential backoff on transient errors (connection refused/reset, timeouts, HTTP
-502/503/504). When the owned server process has died, the error says so at once and names its log file.
+Requests retry with capped exponential backoff on transient errors (connection refused/reset, HTTP 502/503/504).
+A request that gets no reply within `request_timeout_s` (rollout.request_timeout_s) is NOT retried: the server is
+wedged or overloaded, and EngineError says so at once (a fleet takes that server out of rotation and re-sends its
+prompts elsewhere). A reply that is not what SGLang sends (a body that is not JSON where SGLang answers JSON, a
+/generate result without output ids and matching finite log-probs, a weight update without `success: true`) is an
+EngineError too, never a crash or a silent success (reply shapes checked against SGLang 0.5.23's http_server.py:
+see `_post_ok`). `generate(..., deadline=t)` (a time.monotonic() instant: the rollout's deadline) cuts the request
+short at t and raises RolloutDeadline, which is no server failure. When the owned server process has died, the
+error says so at once and names its log file. Launched servers register their process group with
+opid_mega.shutdown, which stops them on SIGTERM / SIGHUP / SIGINT of the trainer.
 
 Log-probs follow SGLang's default (opid_mega.rollout.engine): log_softmax(logits / T) of the sampled token, before
 top-p. Stopping: SGLang always stops at the model's EOS tokens too (generation_config / tokenizer eos); pass those
@@ -30,6 +38,7 @@ from __future__ import annotations
 import atexit
 import base64
 import io
+import math
 import os
 import signal
 import socket
@@ -44,8 +53,9 @@ from typing import Any, Iterable, Optional, Sequence
 import requests
 import torch
 
+from opid_mega import shutdown as _shutdown
 from opid_mega.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, GenerationResult,
-                                      SamplingParams, check_prompts)
+                                      RolloutDeadline, SamplingParams, check_prompts)
 
 CPU_SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
 CPU_DEFAULT_ARGS = (
@@ -57,6 +67,7 @@ CPU_DEFAULT_ARGS = (
     ("--sleep-on-idle", None),
 )
 _TRANSIENT_STATUS = (502, 503, 504)
+_CONNECT_TIMEOUT_S = 10.0  # a TCP connect that takes longer is retried (a frozen server still accepts connections)
 _TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
@@ -195,6 +206,10 @@ def _signal_group(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
         pass
 
 
+def _bad(token):
+    raise ValueError(f"output id {token!r} is not an integer")
+
+
 class WeightMismatch(EngineError):
     """A weight bucket whose name, shape or dtype the served model does not have (nothing of it was sent)."""
 
@@ -330,11 +345,14 @@ class SGLangEngine:
                 env[str(key)] = str(value)
         if cpu_serving:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIMS_DIR), env.get("PYTHONPATH", "")) if p)
+        if _shutdown.stopping():
+            raise EngineError("not launching an SGLang server: the trainer is shutting down")
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
         self._log_file.flush()
         self._proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
+        _shutdown.register_group(self._proc.pid, f"SGLang server {self.url}")
         atexit.register(self.shutdown)
 
     @property
@@ -370,6 +388,8 @@ class SGLangEngine:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
+            if self._closed or _shutdown.stopping():
+                raise EngineError(f"SGLangEngine ({self.url}) was shut down while waiting for the server to start")
             self._check_process()
             try:
                 r = self._session.get(self.url + "/health", timeout=5)
@@ -386,39 +406,65 @@ class SGLangEngine:
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, payload: Any = None, retries: Optional[int] = None,
-                 timeout: Optional[float] = None) -> Any:
+                 timeout: Optional[float] = None, deadline: Optional[float] = None, reply: str = "json") -> Any:
+        """One HTTP call with retries of transient errors (see the module docstring). `reply`: "json" (the body
+        must be JSON; anything else is a malformed reply, EngineError) or "text" (the body as text). `deadline`
+        (time.monotonic()): no attempt runs past it (RolloutDeadline)."""
         retries = self.max_retries if retries is None else retries
         delay = self.backoff_s
+        budget = float(timeout or self.request_timeout_s)
         for attempt in range(retries + 1):
             if self._closed:
                 raise EngineError(f"SGLangEngine ({self.url}) was shut down")
             self._check_process()
+            read_s, cut = budget, False
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RolloutDeadline(f"SGLang {method} {path} at {self.url}: the rollout deadline has passed")
+                if left < read_s:
+                    read_s, cut = left, True
             try:
                 r = self._session.request(method, self.url + path, json=payload,
-                                          timeout=timeout or self.request_timeout_s)
-            except (requests.ConnectionError, requests.Timeout) as e:
+                                          timeout=(min(_CONNECT_TIMEOUT_S, read_s), read_s))
+            except requests.ConnectTimeout as e:  # before requests.ConnectionError (it is one): transient
+                error = f"{type(e).__name__}: {e}"
+            except requests.Timeout as e:  # connected, no reply in time: wedged or overloaded, never retried
+                if cut:
+                    raise RolloutDeadline(f"SGLang {method} {path} at {self.url}: no reply before the rollout "
+                                          f"deadline") from e
+                self._check_process()
+                raise EngineError(f"SGLang {method} {path} at {self.url}: no reply within {budget:g} s "
+                                  f"(rollout.request_timeout_s): the server is wedged or overloaded"
+                                  + (f"; its log is {self.log_path}" if self.log_path else "")) from e
+            except requests.ConnectionError as e:
                 error = f"{type(e).__name__}: {e}"
             else:
                 if r.status_code == 200:
+                    if reply == "text":
+                        return r.text
                     try:
                         return r.json()
                     except ValueError:
-                        return r.text
+                        raise EngineError(f"SGLang {method} {path} at {self.url}: malformed reply (HTTP 200, not "
+                                          f"JSON): {r.text[:300]!r}") from None
                 if r.status_code not in _TRANSIENT_STATUS:
                     raise EngineError(f"SGLang {method} {path} failed with HTTP {r.status_code}: {r.text[:2000]}")
                 error = f"HTTP {r.status_code}: {r.text[:500]}"
             if attempt < retries:
-                time.sleep(delay)
+                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(delay * 2, self.backoff_max_s)
         self._check_process()
         raise EngineError(f"SGLang {method} {path} at {self.url} failed after {retries + 1} attempts: {error}")
 
     # ---- protocol -----------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+                 seeds: Optional[Sequence[int]] = None, deadline: Optional[float] = None) -> list[GenerationResult]:
         """Generate one response per prompt, in prompt order. Prompt i is sampled with seed `seeds[i]` when given,
         else `sampling.seed + i` (no seed when sampling.seed is None): a caller that splits one batch over several
-        servers (FleetEngine) passes each prompt the seed of its index in the whole batch."""
+        servers (FleetEngine) passes each prompt the seed of its index in the whole batch. `deadline`
+        (time.monotonic()): RolloutDeadline when no reply came before it. A reply of the wrong shape is EngineError
+        (a server failure)."""
         prompts = check_prompts(prompt_ids)
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
@@ -436,21 +482,37 @@ class SGLangEngine:
                 p["sampling_seed"] = int(sampling.seed) + i  # honoured with --enable-deterministic-inference
             params.append(p)
         out = self._request("POST", "/generate", {"input_ids": prompts, "sampling_params": params,
-                                                  "return_logprob": True})
-        if isinstance(out, dict):
+                                                  "return_logprob": True}, deadline=deadline)
+        if isinstance(out, dict) and len(prompts) == 1:
             out = [out]
         if not isinstance(out, list) or len(out) != len(prompts):
-            raise EngineError(f"SGLang /generate returned {type(out).__name__} for {len(prompts)} prompts")
-        return [self._parse_result(o) for o in out]
+            got = f"{len(out)} results" if isinstance(out, list) else type(out).__name__
+            raise EngineError(f"SGLang POST /generate at {self.url}: malformed reply ({got} for {len(prompts)} "
+                              "prompts)")
+        return [self._parse_result(o, self.url) for o in out]
 
     @staticmethod
-    def _parse_result(o: dict) -> GenerationResult:
-        meta = o.get("meta_info", {})
-        ids = [int(t) for t in o.get("output_ids", [])]
-        lps = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
+    def _parse_result(o: Any, where: str = "SGLang") -> GenerationResult:
+        """One /generate result: {"output_ids": [int], "meta_info": {"output_token_logprobs": [[lp, id, text]...],
+        "finish_reason": {"type": ...}}}. Anything else (missing fields, ids that are not integers, log-probs that
+        are not finite numbers or do not match the ids) is a malformed reply: EngineError."""
+        try:
+            meta = o.get("meta_info") or {}
+            raw_ids, raw_lps = o["output_ids"], meta["output_token_logprobs"]
+            if not isinstance(raw_ids, list) or not isinstance(raw_lps, list):
+                raise TypeError("output_ids / output_token_logprobs are not lists")
+            ids = [t if type(t) is int else int(t) if isinstance(t, float) and t.is_integer() else _bad(t)
+                   for t in raw_ids]
+            lps = [float(entry[0]) for entry in raw_lps]
+            fr = meta.get("finish_reason") or {}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise EngineError(f"{where} /generate: malformed result ({type(e).__name__}: {e}): "
+                              f"{str(o)[:300]}") from None
         if len(lps) != len(ids):
-            raise EngineError(f"SGLang returned {len(ids)} output ids but {len(lps)} log-probs")
-        fr = meta.get("finish_reason") or {}
+            raise EngineError(f"{where} /generate: malformed result ({len(ids)} output ids but {len(lps)} "
+                              "log-probs)")
+        if not all(math.isfinite(x) for x in lps):
+            raise EngineError(f"{where} /generate: malformed result (a log-prob that is not finite)")
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
         reason = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}.get(kind, FINISH_LENGTH)
         return GenerationResult(ids, lps, reason)
@@ -515,7 +577,11 @@ class SGLangEngine:
         self._lock.acquire()
         try:
             self.pause_generation()
-            self._post_ok("/begin_weight_update", {})
+            try:
+                self._post_ok("/begin_weight_update", {})
+            except BaseException:
+                self.continue_generation()  # a refused or malformed begin must not leave generation paused
+                raise
         except BaseException:
             self._lock.release()
             raise
@@ -534,7 +600,7 @@ class SGLangEngine:
             finally:
                 try:
                     if flush_cache:
-                        self._request("POST", "/flush_cache", {}, retries=self.max_retries)
+                        self._request("POST", "/flush_cache", {}, retries=self.max_retries, reply="text")
                 finally:
                     self.continue_generation()
             self._set_version(version)
@@ -626,10 +692,31 @@ class SGLangEngine:
             w.wait()
         return sum(t.numel() * t.element_size() for _, t in bucket)
 
-    def _post_ok(self, path: str, payload: dict, retries: Optional[int] = None) -> dict:
+    # What SGLang 0.5.23 answers (srt/entrypoints/http_server.py): {"success": bool, "message": str, ...} from
+    # /update_weights_from_tensor, /update_weights_from_disk, /update_weights_from_distributed,
+    # /init_weights_update_group, /begin_weight_update, /end_weight_update, /update_weight_version (HTTP 400 when
+    # success is false); {"message": ..., "status": "ok"} from /pause_generation and /continue_generation; JSON null
+    # from /release_memory_occupation and /resume_memory_occupation; plain text ("Cache flushed. ...") from
+    # /flush_cache (HTTP 400 with the reason when it did not flush).
+    _SUCCESS_REPLY = ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
+                      "/init_weights_update_group", "/begin_weight_update", "/end_weight_update",
+                      "/update_weight_version")
+
+    def _post_ok(self, path: str, payload: dict, retries: Optional[int] = None) -> Any:
+        """POST and check the reply: a success only on a well-formed success reply (see above). `success: false`
+        is a refusal; a reply of another shape (not JSON, no `success: true` where SGLang sends one, a status other
+        than "ok") is a malformed reply. Both raise EngineError."""
         out = self._request("POST", path, payload, retries=retries)
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineError(f"SGLang {path} refused: {out.get('message')}")
+        if path in self._SUCCESS_REPLY:
+            ok = isinstance(out, dict) and out.get("success") is True
+        else:  # pause / continue ({"status": "ok"}), release / resume memory (null)
+            ok = out is None or (isinstance(out, dict) and out.get("status", "ok") == "ok")
+        if not ok:
+            raise EngineError(f"SGLang POST {path} at {self.url}: malformed reply (expected "
+                              f"{'a JSON object with success true' if path in self._SUCCESS_REPLY else 'status ok'}"
+                              f"): {str(out)[:300]!r}")
         return out
 
     def health(self) -> bool:
@@ -646,16 +733,17 @@ class SGLangEngine:
         if self._closed:
             return
         self._closed = True
+        self._session.close()  # first: the server's HTTP front end waits for open keep-alive connections to close
         proc = self._proc
         if proc is not None and proc.poll() is None:
             _signal_group(proc, signal.SIGTERM, timeout_s)
         if proc is not None:
             # The server leaves scheduler/detokenizer children in the group: always sweep it.
             _signal_group(proc, signal.SIGKILL, timeout_s)
+            _shutdown.unregister_group(proc.pid)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        self._session.close()
 
     def __enter__(self):
         return self

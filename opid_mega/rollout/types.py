@@ -65,6 +65,9 @@ class Trajectory:
     error: Optional[str] = None  # set when the env raised / the prompt was too long: the episode was ended
     env_error: bool = False  # the env raised (not the policy's doing): the trainer leaves this trajectory out
     rollout_skill: Optional[str] = None
+    # the rollout's deadline (rollout.deadline_s) passed before the episode ended: left out like an env error,
+    # counted in rollout/deadline_trajectories
+    deadline_failure: bool = False
 
     @property
     def length(self) -> int:

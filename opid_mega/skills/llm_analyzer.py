@@ -29,6 +29,12 @@ own Analysis object.
 
 Concurrency: at most `concurrency` requests in flight per analyzer (one worker pool), whatever the number of
 concurrent `analyze`/`submit` calls.
+
+Deadline: `submit(..., deadline_s=D)` / `analyze_records(..., deadline_s=D)` (the trainer's analyzer.deadline_s)
+returns D seconds after the call at the latest: every analysis not done by then is a failure ("deadline: ..."; no
+skill signal, counted in `stats["failures"]` and `stats["deadline_failures"]`, audited), requests not started are
+cancelled, and no request or backoff of this call runs past the deadline (a request's read timeout is cut to it).
+`close()` does not wait for requests in flight.
 """
 from __future__ import annotations
 
@@ -115,9 +121,19 @@ def chat_completions_url(base_url: str) -> str:
 class _Call:
     """State shared by the trajectories of one analyze() call."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: Optional[float] = None) -> None:
         self.unreachable = threading.Event()
         self.reason = ""
+        self.deadline_s = deadline_s
+        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self.abandoned = threading.Event()  # the deadline passed: late results are no longer used
+
+    def left(self) -> Optional[float]:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def deadline_failure(self) -> str:
+        return f"deadline: analyzer.deadline_s={self.deadline_s:g} s passed before this analysis was done"
+
 
 
 class LLMAnalyzer(Analyzer):
@@ -159,7 +175,7 @@ class LLMAnalyzer(Analyzer):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "retries": 0, "reasks": 0, "failures": 0, "cache_hits": 0, "analyzed": 0,
-                       "json_mode_fallbacks": 0}
+                       "json_mode_fallbacks": 0, "deadline_failures": 0}
         self._stop = threading.Event()
         self._workers = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llm-analyzer")
         self._local = threading.local()
@@ -198,18 +214,21 @@ class LLMAnalyzer(Analyzer):
     def analyze(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
         return [r.analysis for r in self.analyze_records(trajs, iteration)]
 
-    def submit(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None) -> AnalysisJob:
-        """Start `analyze(trajs)` in the background; `.result()` gives the analyses, `.records` the details."""
+    def submit(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None,
+               deadline_s: Optional[float] = None) -> AnalysisJob:
+        """Start `analyze(trajs)` in the background; `.result()` gives the analyses, `.records` the details.
+        `deadline_s`: see the module docstring (counted from this call)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-analyzer-job")
         job = AnalysisJob()
         trajs = list(trajs)
+        call = _Call(deadline_s)  # the deadline runs from now, not from when the job thread starts
 
         def run() -> None:
             if not job.set_running_or_notify_cancel():
                 return
             try:
-                records = self.analyze_records(trajs, iteration)
+                records = self.analyze_records(trajs, iteration, call=call)
             except BaseException as e:  # a bug, not a server problem: surface it through the future
                 job.set_exception(e)
             else:
@@ -219,12 +238,15 @@ class LLMAnalyzer(Analyzer):
         self._pool.submit(run)
         return job
 
-    def analyze_records(self, trajs: Sequence[TrajectoryView],
-                        iteration: Optional[int] = None) -> list[AnalysisRecord]:
-        """One AnalysisRecord per trajectory, in order (the analysis is `record.analysis`)."""
+    def analyze_records(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None,
+                        deadline_s: Optional[float] = None, call: Optional[_Call] = None) -> list[AnalysisRecord]:
+        """One AnalysisRecord per trajectory, in order (the analysis is `record.analysis`). `deadline_s`: see the
+        module docstring."""
         if self._stop.is_set():
             raise RuntimeError("LLMAnalyzer is closed")
-        call = _Call()
+        if deadline_s is not None and not 0 < deadline_s < float("inf"):
+            raise ValueError(f"LLMAnalyzer: deadline_s={deadline_s!r} must be a finite number > 0 (or None)")
+        call = call or _Call(deadline_s)
         records: list[Optional[AnalysisRecord]] = [None] * len(trajs)
         groups: dict[str, list[int]] = {}  # cache key -> indices of trajectories with that prompt
         prompts: dict[str, str] = {}
@@ -255,7 +277,19 @@ class LLMAnalyzer(Analyzer):
             futures[key] = self._workers.submit(self._analyze_one, tid, prompts[key], len(first.steps), key, call)
 
         for key, fut in futures.items():
-            rec: AnalysisRecord = fut.result()  # _analyze_one never raises for server problems
+            try:
+                left = call.left()
+                if left is not None and left <= 0 and not fut.done():
+                    raise TimeoutError
+                rec: AnalysisRecord = fut.result(timeout=left)  # _analyze_one never raises for server problems
+            except TimeoutError:  # the deadline passed: this analysis (and every one still pending) is a failure
+                call.abandoned.set()
+                fut.cancel()
+                rec = AnalysisRecord(traj_id=getattr(trajs[groups[key][0]], "traj_id", "") or str(groups[key][0]),
+                                     prompt=prompts[key], failure=call.deadline_failure())
+                self._count("failures")
+                self._count("deadline_failures", len(groups[key]))
+                logger.warning("LLM analysis of trajectory %s: %s; no skill signal", rec.traj_id, rec.failure)
             idxs = groups[key]
             for n, i in enumerate(idxs):
                 if n == 0:
@@ -275,14 +309,20 @@ class LLMAnalyzer(Analyzer):
         return hashlib.sha256(f"{self.model}\x00{prompt}".encode("utf-8")).hexdigest()
 
     def close(self) -> None:
+        """Stop: no new request or retry starts, queued work is cancelled; requests in flight are not waited for
+        (a shutdown on SIGTERM must not sit out an analyzer's timeout_s)."""
         self._stop.set()
-        super().close()
-        self._workers.shutdown(wait=True)
-        for s in self._sessions:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            sessions, self._sessions = list(self._sessions), []
+            cache_file, self._cache_file = self._cache_file, None
+        for s in sessions:
             s.close()
-        if self._cache_file is not None:
-            self._cache_file.close()
-            self._cache_file = None
+        if cache_file is not None:
+            cache_file.close()
 
     def __enter__(self) -> "LLMAnalyzer":
         return self
@@ -309,8 +349,12 @@ class LLMAnalyzer(Analyzer):
             rec.failure = f"unexpected {type(e).__name__}: {e}"
             logger.exception("LLM analysis of trajectory %s failed unexpectedly", traj_id)
         rec.elapsed_s = time.perf_counter() - t0
-        if rec.analysis is None:
+        if rec.analysis is None and call.abandoned.is_set():
+            pass  # past the deadline: the caller already counted this analysis as a deadline failure
+        elif rec.analysis is None:
             self._count("failures")
+            if rec.failure and rec.failure.startswith("transport: deadline:"):
+                self._count("deadline_failures")
             logger.warning("LLM analysis of trajectory %s failed (%s): no skill signal", traj_id, rec.failure)
         else:
             self._count("analyzed")
@@ -382,17 +426,23 @@ class LLMAnalyzer(Analyzer):
                 raise TransportError(f"server unreachable ({call.reason})", unreachable=True)
             if self._stop.is_set():
                 raise TransportError("analyzer closed")
+            left = call.left()
+            if left is not None and left <= 0:
+                raise TransportError(call.deadline_failure())
+            read_s = self.timeout_s if left is None else min(self.timeout_s, left)
             self._count("requests")
             rec.attempts += 1
             retry_after = None
             unreachable = False
             try:
                 resp = self._session().post(self.url, json=self._payload(prompt, json_mode),
-                                            timeout=(self.connect_timeout_s, self.timeout_s))
+                                            timeout=(min(self.connect_timeout_s, read_s), read_s))
             except requests.exceptions.ConnectionError as e:  # refused, reset, DNS; ConnectTimeout is one too
                 unreachable = True
                 error = f"{type(e).__name__} to {self.url}: {_short(e)}"
             except requests.exceptions.Timeout as e:
+                if read_s < self.timeout_s:  # cut short by the deadline
+                    raise TransportError(call.deadline_failure()) from None
                 error = f"timeout after {self.timeout_s:g} s ({type(e).__name__})"
             except requests.exceptions.RequestException as e:
                 error = f"{type(e).__name__}: {_short(e)}"
@@ -427,7 +477,8 @@ class LLMAnalyzer(Analyzer):
             retry += 1
             self._count("retries")
             logger.debug("LLM analyzer: %s; retry %d/%d in %.2f s", error, retry, self.max_retries, delay)
-            if self._stop.wait(delay):
+            left = call.left()
+            if self._stop.wait(delay if left is None else max(0.0, min(delay, left))):
                 raise TransportError("analyzer closed")
 
     # ------------------------------------------------------------------------------------------------------------

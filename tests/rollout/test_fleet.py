@@ -337,6 +337,45 @@ def test_client_fleet_equals_one_server(servers, reference):
     assert st["rollout/retried_requests"] == 0 and st["rollout/servers_alive"] == 2
 
 
+@pytest.mark.slow
+def test_client_fleet_routes_around_a_frozen_server(servers, reference):
+    """Issue 22: one server's scheduler frozen (SIGSTOP: the server is alive and accepts requests, answers none):
+    the requests sent to it pass the per-request timeout, it leaves rotation like a dead one and the other server
+    answers every prompt (the same results); then it is thawed for the tests after this one."""
+    from launch.test_fleet_multinode import _scheduler_pid
+
+    victim, timeout = servers[2], 8.0
+    # attached engines with a short request timeout (before the freeze: attaching asks the server for its info)
+    engines = [SGLangEngine(url=e.url, request_timeout_s=timeout) for e in (servers[0], victim)]
+    fleet = FleetEngine(engines, chunk_prompts=3, owns=False)
+    t0 = time.monotonic()
+    servers[0].generate(_real_prompts(), GREEDY)
+    alone = time.monotonic() - t0  # what the other server needs for every prompt on its own
+    frozen = _scheduler_pid(victim.pid)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = fleet.generate(_real_prompts(), GREEDY)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    st = fleet.stats()
+    print(f"client fleet with a frozen server: {elapsed:.1f} s (request timeout {timeout:.0f} s, the other server "
+          f"alone {alone:.1f} s); {st}")
+    _assert_same(out, reference)
+    assert st["rollout/dead_servers"] == 1 and "no reply within 8 s" in fleet.dead_servers()[victim.url]
+    assert st["rollout/retried_requests"] > 0 and st["rollout/server0_prompts"] == len(out)
+    assert elapsed < timeout + 2 * alone + 30  # the timeout once, then the other server's work; loaded-machine slack
+    deadline = time.monotonic() + 120
+    while not victim.health() and time.monotonic() < deadline:  # thawed: it serves again for the next tests
+        time.sleep(0.5)
+    assert victim.health()
+    served = -1
+    while served != _served(victim) and time.monotonic() < deadline:  # nothing abandoned still finishing there
+        served = _served(victim)
+        time.sleep(3.0)
+
+
 def _served(engine):
     """Requests a real server has finished, from its log (SGLang logs one 'POST /generate ... 200' per request)."""
     with open(engine.log_path, errors="replace") as f:

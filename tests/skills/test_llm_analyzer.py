@@ -319,6 +319,27 @@ def test_background_job_overlaps_caller_work():
         assert len(out) == 2 and job.done() and [r.traj_id for r in job.records] == ["t0", "t1"]
 
 
+def test_deadline_ends_the_wait_and_counts_failures(tmp_path):
+    """A server that never answers (timeout 60 s x 6 attempts would be 6 min per analysis): with deadline_s=1.5 the
+    job returns after ~1.5 s, every analysis a deadline failure (counted, audited), the queued ones never sent."""
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    with serve(lambda body, n: (200, _completion(GOOD), 60.0, {})) as srv, \
+            _analyzer(srv.url, timeout_s=60.0, max_retries=5, concurrency=2, audit=audit) as an:
+        t0 = time.monotonic()
+        job = an.submit([_traj(i) for i in range(5)], iteration=7, deadline_s=1.5)
+        out = job.result(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert out == [None] * 5 and 1.5 <= elapsed < 1.5 + 8.0  # slack for a loaded 2-core machine
+        assert an.stats["deadline_failures"] == 5 and an.stats["failures"] == 5
+        assert all("deadline: analyzer.deadline_s=1.5 s passed" in r.failure for r in job.records)
+        assert len(srv.bodies) == 2  # concurrency 2: the three queued analyses were cancelled, never sent
+        with pytest.raises(ValueError, match="deadline_s"):
+            an.analyze_records([_traj(0)], deadline_s=float("nan"))
+    audit.close()
+    records = [r for r in read_audit(tmp_path / "audit.jsonl") if r["type"] == "analysis"]
+    assert len(records) == 5 and all("deadline" in r["failure"] and r["iteration"] == 7 for r in records)
+
+
 def test_empty_trajectory_gets_none_without_request():
     with serve(_ok()) as srv, _analyzer(srv.url) as an:
         out = an.analyze([TrajectoryView(task="t", won=False, steps=[]), _traj(0)])

@@ -2,7 +2,8 @@
 failures, a dying rollout engine."""
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import pytest
 
@@ -61,11 +62,43 @@ def test_step0_invariants_and_analyzer_failures(tiny_cfg, tmp_path):
         tr.analyzer = RuleAnalyzer(max_step_skills=2)
         m3 = tr.iteration(3)
         assert m3["analysis/failure_rate"] == 0.0 and m3["adv/skill_abs_mean"] > 0.0
+        assert m3["analysis/deadline_failures"] == 0
+        # iteration 4, the analyzer never answers (its timeout 60 s x 6 attempts): analyzer.deadline_s=3 ends the
+        # wait; the analyses are deadline failures (counted, audited) and the iteration completes without them
+        release = threading.Event()
+
+        class _Silent(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                release.wait(120)
+
+            def log_message(self, *a):
+                pass
+
+        silent = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+        silent.daemon_threads = True
+        threading.Thread(target=silent.serve_forever, daemon=True).start()
+        tr.analyzer.close()
+        tr.analyzer = LLMAnalyzer(f"http://127.0.0.1:{silent.server_address[1]}/v1", model="m", timeout_s=60,
+                                  max_retries=5, audit=tr.audit)
+        tr.cfg.analyzer.deadline_s = 3.0
+        t0 = time.monotonic()
+        m4 = tr.iteration(4)
+        elapsed = time.monotonic() - t0
+        release.set()
+        silent.shutdown()
+        n = cfg.rollout.tasks_per_iter * cfg.rollout.group_size
+        print(f"iteration with a silent analyzer: {elapsed:.1f} s, analysis wait {m4['time/analysis_wait']:.1f} s")
+        assert m4["analysis/deadline_failures"] == n and m4["analysis/failure_rate"] == 1.0
+        assert m4["adv/skill_abs_mean"] == 0.0 and m4["train/step_samples"] >= 2
+        assert m4["analysis/failures_total"] == 3 * n
+        assert m4["time/analysis_wait"] < 3.0 + 30.0  # the deadline, not 6 x 60 s (slack: a loaded 2-core machine)
     finally:
         tr.close()
     records = list(read_audit(tmp_path / "audit.jsonl"))
     failures = [r for r in records if r["type"] == "analysis" and r["failure"]]
-    assert len(failures) == 2 * cfg.rollout.group_size
+    assert len(failures) == 3 * cfg.rollout.group_size
+    late = [r for r in failures if r.get("iteration") == 4]
+    assert len(late) == cfg.rollout.group_size and all("analyzer.deadline_s=3 s" in r["failure"] for r in late)
     assert any(r["type"] == "augmented_prompt" and "**" in r["prompt"] for r in records)
 
 

@@ -1,0 +1,111 @@
+"""opid_mega.shutdown: SIGTERM / SIGHUP take Ctrl-C's path, a checkpoint write holds them, the launched process
+groups are stopped, and the watchdog ends a process whose main thread is blocked (issue 22, item 6).
+
+The handlers and the watchdog are process-wide, so every case that installs them runs in a child process (the
+pytest process must keep its own SIGINT behaviour); the checkpoint hold is tested in-process with the handler only.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from opid_mega import shutdown
+
+# The child: registers a process group (`sleep`, its own session, like a launched server), installs the handlers,
+# prints READY, then waits in the main thread. BLOCK=1: SIGTERM/SIGHUP blocked in the main thread only, so the signal
+# lands on another thread and the main thread stays in its sleep (as in a gloo collective): only the watchdog can end
+# it. Otherwise the interrupt is raised in the main thread, which reports and exits like opid-train.
+CHILD = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from opid_mega import shutdown
+    group = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    shutdown.register_group(group.pid, "a server")
+    shutdown.install_signal_handlers("child", grace_s=float(os.environ["GRACE"]))
+    if os.environ.get("BLOCK") == "1":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+    try:
+        print("READY", group.pid, flush=True)
+        time.sleep(60)
+    except KeyboardInterrupt as e:
+        signum = shutdown.signal_of(e)
+        print(f"child: {shutdown.describe(signum)}", file=sys.stderr, flush=True)
+        shutdown.exit_now(128 + signum)
+    sys.exit(5)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _child(tmp_path, block: bool, grace: float = 2.0, preexec=None):
+    env = {**os.environ, "GRACE": str(grace), "BLOCK": "1" if block else "0"}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    line = proc.stdout.readline().split()
+    assert line and line[0] == "READY", proc.communicate(timeout=30)
+    return proc, int(line[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_takes_the_interrupt_path_and_stops_the_groups(tmp_path, sig):
+    proc, group = _child(tmp_path, block=False, grace=30.0)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig and time.monotonic() - t0 < 15
+    assert err.strip().splitlines() == [f"child: stopped by {signal.Signals(sig).name}"]
+    assert not _alive(group)
+
+
+def test_watchdog_ends_a_process_whose_main_thread_is_blocked(tmp_path):
+    proc, group = _child(tmp_path, block=True, grace=2.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 128 + signal.SIGTERM and 2.0 <= elapsed < 2.0 + 15
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("child: SIGTERM: still running 2 s after the signal"), lines
+    assert not _alive(group)
+
+
+def test_an_inherited_ignored_sighup_stays_ignored(tmp_path):
+    """nohup: a SIGHUP the run was started to ignore does not stop it."""
+    proc, group = _child(tmp_path, block=False, grace=30.0,
+                         preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None and _alive(group)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and not _alive(group)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_checkpoint_write_holds_sigterm_and_sighup(sig):
+    from opid_mega.megatron.checkpoint import _ctrl_c_after_write
+
+    before = signal.signal(sig, shutdown._raise_interrupt)  # what install_signal_handlers sets (no watchdog here)
+    try:
+        reached_end = False
+        with pytest.raises(shutdown.Interrupted) as exc:
+            with _ctrl_c_after_write():
+                assert shutdown.writing_now()
+                os.kill(os.getpid(), sig)
+                sum(range(100_000))  # bytecode runs: a pending signal's handler would run here
+                reached_end = True
+        assert reached_end and exc.value.signum == sig and not shutdown.writing_now()
+        assert signal.getsignal(sig) is shutdown._raise_interrupt
+    finally:
+        signal.signal(sig, before)
+        shutdown._interrupted.clear()
