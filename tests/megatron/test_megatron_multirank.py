@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_testutil import ARCHS, hf_logprobs, launch, make_hf_model, random_sequences
+from tolerance import assert_close_scaled
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,9 @@ def test_logprobs_and_entropy_match_hf_in_every_layout(run, arch):
     for tag, res in results[arch].items():
         for (t, k), lp, ent, ref_lp in zip(seqs, res["logprobs"], res["entropy"], res["ref_logprobs"]):
             want_lp, want_ent = hf_logprobs(hf[arch], t, k, entropy=True)
-            assert (lp.double() - want_lp).abs().max() <= 1e-5, tag
-            assert (ent.double() - want_ent).abs().max() <= 1e-5, tag
-            assert (ref_lp.double() - want_lp).abs().max() <= 1e-5, tag  # reference weights swapped in
+            assert_close_scaled(lp, want_lp, msg=f"{tag} log-probs")  # fp32 vs float64: 1e-5 of the largest
+            assert_close_scaled(ent, want_ent, msg=f"{tag} entropy")
+            assert_close_scaled(ref_lp, want_lp, msg=f"{tag} reference log-probs")  # reference weights swapped in
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -92,16 +93,20 @@ def test_training_step_same_in_every_layout_and_equals_algo_loss(run, arch):
     want_gn = float(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())))
     model.zero_grad()
     model.float()
-    assert abs(base["metrics"][0]["grad_norm"] - want_gn) <= 1e-5 * max(1.0, want_gn)  # gradients equal HF's
-    assert abs(base["metrics"][0]["loss"] - want.item()) <= 1e-5
+    # losses are means of O(1) terms: scale >= 1
+    assert_close_scaled(base["metrics"][0]["grad_norm"], want_gn, floor=1.0, msg="grad norm vs HF")
+    assert_close_scaled(base["metrics"][0]["loss"], want.item(), floor=1.0, msg="loss vs HF")
+    lr = run[3]["lr"]
     for tag, res in results[arch].items():
-        assert abs(res["metrics"][0]["loss"] - base["metrics"][0]["loss"]) <= 1e-5, tag
+        assert_close_scaled(res["metrics"][0]["loss"], base["metrics"][0]["loss"], floor=1.0, msg=f"{tag} loss")
         gn = base["metrics"][0]["grad_norm"]
-        assert abs(res["metrics"][0]["grad_norm"] - gn) <= 1e-5 * max(1.0, gn), tag  # fp32 norm of a sum
+        assert_close_scaled(res["metrics"][0]["grad_norm"], gn, floor=1.0, msg=f"{tag} grad norm")  # fp32 norm of a sum
         moved = max((res["after_step1"][n] - base["export"][n]).abs().max() for n in base["export"])
         assert moved > 1e-5, tag  # the step changed the weights
         for name, t in base["after_step1"].items():
-            assert (res["after_step1"][name] - t).abs().max() <= 1e-5, (tag, name)
+            # Adam's first step is lr * g / (|g| + eps): fp32 noise δ in a gradient near 0 moves that weight by up to
+            # lr * δ / eps, so the layouts' weights are compared at a quarter of a step (as test_megatron_compat_019)
+            assert_close_scaled(res["after_step1"][name], t, rel=0.25, scale=lr, msg=f"{tag} {name} after step 1")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -150,7 +155,7 @@ def test_logprobs_cli_tp2(tmp_path):
     assert [r["id"] for r in rows] == [0, 1, 2]
     for (t, k), r in zip(seqs, rows):
         assert r["tokens"] == t and len(r["logprobs"]) == len(t) - k
-        assert (torch.tensor(r["logprobs"], dtype=torch.float64) - hf_logprobs(hf, t, k)).abs().max() <= 1e-5
+        assert_close_scaled(r["logprobs"], hf_logprobs(hf, t, k), msg="logprobs_cli TP2 vs HF float64")
 
 
 def test_logprobs_cli_rejects_bad_input(tmp_path):

@@ -14,6 +14,7 @@ from opid_mega.rollout.engine import SamplingParams
 from opid_mega.rollout.local_engine import LocalEngine
 from opid_mega.rollout.scripted_engine import ScriptedEngine, WalkthroughPolicy
 from opid_mega.skills.injection import inject_skill, render_skill_section
+from tolerance import assert_close_scaled
 
 SKILL = "Search for the country first, then answer with the exact region name."
 
@@ -176,7 +177,7 @@ def test_tiny_model_rollout_records_engine_logprobs(qwen_tokenizer, tiny_qwen3, 
     lp = torch.log_softmax(logits, -1)
     n = len(s.prompt_ids)
     ref = [lp[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
-    assert s.response_logprobs == pytest.approx(ref, abs=2e-5)  # step-0 invariant: engine = recomputation
+    assert_close_scaled(s.response_logprobs, ref, msg="engine = recomputation")  # step-0 invariant (fp32 vs f64)
     assert batch.num_generate_calls == 2 and batch.metrics()["response_tokens"] == sum(
         len(x.response_ids) for x in samples)
 
@@ -252,7 +253,7 @@ def test_reference_validity_is_recorded_and_the_extracted_action_runs(qwen_token
 
 class _HangingSearchQA(SearchQAEnv):
     def _step(self, action):
-        time.sleep(5)  # a simulator stuck past env.step_timeout_s
+        time.sleep(30)  # a simulator stuck past env.step_timeout_s (an abandoned daemon thread: nobody waits)
         return super()._step(action)
 
 
@@ -269,7 +270,7 @@ def test_a_step_past_the_time_limit_ends_only_its_trajectory(qwen_tokenizer, sqa
                      env_factory=factory, history_length=4, num_workers=4, step_timeout_s=0.5)
     t0 = time.monotonic()
     batch = loop.run(tasks[:2], group_size=2, sampling=_sampling(loop, max_new_tokens=128))
-    assert time.monotonic() - t0 < 4.5  # the loop moved on: it did not wait for the stuck step
+    assert time.monotonic() - t0 < 20  # the loop moved on: it did not wait for the 30 s step (slack: loaded machine)
     failed = [t for t in batch.trajectories if t.failed]
     assert len(failed) == 1 and failed[0].env_error and failed[0].length == 0
     assert failed[0].error.startswith("step 0: EnvTimeout: search_qa: step(") and "0.5 s" in failed[0].error

@@ -69,15 +69,18 @@ def run_rank(out_path: str):
             naive = NaiveScorer(naive_fn, temperature=temp).score(reqs)
             fork_scorer = ForkScorer(packed_fn, max_tokens=96, temperature=temp)
             fork = fork_scorer.score(reqs)
-            diff = 0.0
+            diff = size = 0.0  # max |naive - fork| and the largest |log-prob| compared (the test scales by it)
             for a, b in zip(naive, fork):
                 assert a.orig.shape == b.orig.shape and set(a.skill) == set(b.skill)
                 diff = max(diff, (a.orig - b.orig).abs().max().item())
+                size = max(size, a.orig.abs().max().item())
                 for k in a.skill:
                     diff = max(diff, (a.skill[k] - b.skill[k]).abs().max().item())
+                    size = max(size, a.skill[k].abs().max().item())
             key = f"tp{tp}pp{pp}-{placement}-{'additive' if additive else 'routed'}" + \
                 ("" if temp == 1.0 else f"-T{temp}")
-            results[key] = {"max_abs_diff": diff, "shared_fraction": fork_scorer.last_shared_fraction,
+            results[key] = {"max_abs_diff": diff, "max_abs_logprob": size,
+                            "shared_fraction": fork_scorer.last_shared_fraction,
                             "n_values": sum(r.orig.numel() for r in naive)}
             if temp != 1.0:  # the temperature really reaches the model: T=1 gives other numbers
                 plain = NaiveScorer(naive_fn, temperature=1.0).score(reqs)

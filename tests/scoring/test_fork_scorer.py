@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tolerance import tolerance_for
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -23,7 +25,8 @@ def _check(res, layouts):
     assert {k.split("-")[0] for k in res} == set(layouts)
     for key, v in res.items():
         assert v["n_values"] > 10, key
-        assert v["max_abs_diff"] <= 1e-5, (key, v)
+        # two fp32 paths: within 1e-5 of the largest |log-prob| compared
+        assert v["max_abs_diff"] <= tolerance_for(0.0, scale=v["max_abs_logprob"]), (key, v)
         assert 0.0 < v["shared_fraction"] < 1.0, (key, v)
         if key.endswith("-T0.7"):
             assert v["temperature_effect"] > 1e-3, (key, v)
