@@ -10,6 +10,9 @@ Every key is declared below; an unknown key, a value of the wrong type, or a val
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -115,7 +118,12 @@ class AnalyzerConfig:
     model: str = ""
     # Extra `python -m sglang.launch_server` arguments for that launched analyzer server, passed through verbatim.
     sglang_args: list = field(default_factory=list)
-    api_key: str = "EMPTY"
+    # The endpoint's API key (resolve_api_key): a non-empty api_key is used as given ("EMPTY" included: what local
+    # SGLang/vLLM servers expect); empty, the environment variable named by api_key_env is read at run time; neither
+    # set: "EMPTY". The key is a secret: dump_config (config.yaml, `python -m opid_mega.config`) writes api_key as ""
+    # and logged command lines show it as ***, so a resumed run needs the variable (or the override) again.
+    api_key: str = ""
+    api_key_env: str = "OPENAI_API_KEY"
     max_step_skills: int = 5  # K (ALFWorld/WebShop 5, Search 2)
     gamma: float = 0.95
     concurrency: int = 16
@@ -126,6 +134,9 @@ class AnalyzerConfig:
     temperature: float = 0.0
     max_tokens: int = 4096  # the analyzer's completion budget, as in the reference
     json_mode: bool = True  # JSON-constrained decoding where the server supports it
+    # Skills (episode and step) longer than this many tokens of the policy tokenizer are cut at a word boundary
+    # (metric analysis/skills_truncated); the fork scorer's budget is derived from it (README "Runs, resume and faults")
+    max_skill_tokens: int = 256
     # On-disk analysis cache (JSONL, keyed by the trajectory text); empty: <run_dir>/analysis_cache.jsonl.
     cache_path: str = ""
     # Deadline of one iteration's analysis, from its submission (docs/runs.md "Deadlines"): the analyses not done
@@ -344,11 +355,19 @@ class Config:
 # Range checks beyond types: (dotted key, predicate, what is allowed)
 # --------------------------------------------------------------------------------------------------------------------
 
+# Every number is finite (inf / nan are refused by type, _coerce) and every integer lies in [-INT_LIMIT, INT_LIMIT];
+# every numeric field has its range here (tests/test_config_numbers.py checks that none is missing).
+INT_LIMIT = 2**31 - 1
+MAX_SECONDS = 1e7  # ~116 days: longer is no timeout any caller can wait for (threading/socket limits are ~1e9 s)
 _POSITIVE_INT = (lambda v: v >= 1, "an integer >= 1")
 _NON_NEG = (lambda v: v >= 0, "a number >= 0")
 _POSITIVE = (lambda v: v > 0, "a number > 0")
 _PROB = (lambda v: 0 < v <= 1, "a number in (0, 1]")
-_SECONDS = (lambda v: 0 < v <= 1e7, "a number of seconds in (0, 1e+07]")
+_SECONDS = (lambda v: 0 < v <= MAX_SECONDS, f"a number of seconds in (0, {MAX_SECONDS:g}]")
+_BACKOFF = (lambda v: 0 <= v <= 3600, "a number of seconds in [0, 3600]")
+_BETA = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+_ENV_NAME = (lambda v: v == "" or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None,
+             "an environment variable name (letters, digits, _) or empty")
 
 _CHECKS: dict[str, tuple] = {
     "parallel.tp": _POSITIVE_INT,
@@ -358,7 +377,7 @@ _CHECKS: dict[str, tuple] = {
     "env.max_steps": _POSITIVE_INT,
     "env.history_length": (lambda v: v >= 0, "an integer >= 0"),
     "env.num_workers": _POSITIVE_INT,
-    "env.step_timeout_s": _POSITIVE,
+    "env.step_timeout_s": _SECONDS,
     "rollout.tasks_per_iter": _POSITIVE_INT,
     "rollout.group_size": _POSITIVE_INT,
     "rollout.temperature": _POSITIVE,
@@ -370,9 +389,15 @@ _CHECKS: dict[str, tuple] = {
     "analyzer.deadline_s": _SECONDS,
     "analyzer.max_step_skills": (lambda v: v >= 0, "an integer >= 0"),
     "analyzer.gamma": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "analyzer.concurrency": _POSITIVE_INT,
-    "analyzer.timeout_s": _POSITIVE,
-    "analyzer.max_retries": (lambda v: v >= 0, "an integer >= 0"),
+    "analyzer.concurrency": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+    "analyzer.timeout_s": _SECONDS,
+    "analyzer.max_retries": (lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
+    "analyzer.backoff_s": _BACKOFF,
+    "analyzer.backoff_max_s": _BACKOFF,
+    "analyzer.temperature": (lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+    "analyzer.max_tokens": _POSITIVE_INT,
+    "analyzer.max_skill_tokens": _POSITIVE_INT,
+    "analyzer.api_key_env": _ENV_NAME,
     "algo.lambda_episode": _NON_NEG,
     "algo.lambda_step": _NON_NEG,
     "algo.invalid_penalty": _NON_NEG,
@@ -387,7 +412,11 @@ _CHECKS: dict[str, tuple] = {
     "train.iterations": (lambda v: v >= 0, "an integer >= 0"),
     "train.lr": _NON_NEG,
     "train.lr_warmup_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "train.weight_decay": _NON_NEG,
+    "train.adam_beta1": _BETA,
+    "train.adam_beta2": _BETA,
     "train.grad_clip": _NON_NEG,
+    "train.seed": (lambda v: v >= 0, "an integer >= 0"),
     "train.mini_batch_size": _POSITIVE_INT,
     "train.micro_batch_tokens": _POSITIVE_INT,
     "train.ppo_epochs": _POSITIVE_INT,
@@ -410,10 +439,10 @@ _CHECKS: dict[str, tuple] = {
     "deploy.rollout_mem_fraction": _PROB,
     "deploy.analyzer_gpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of GPU ids (integers >= 0)"),
     "deploy.analyzer_mem_fraction": _PROB,
-    "deploy.control_timeout_s": _POSITIVE,
+    "deploy.control_timeout_s": _SECONDS,
     "deploy.trainer_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.server_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
-    "deploy.train_timeout_s": _POSITIVE,
+    "deploy.train_timeout_s": _SECONDS,
     "sync.bucket_mb": _POSITIVE_INT,
     "sync.check_interval": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     "sync.check_tokens": _POSITIVE_INT,
@@ -436,34 +465,54 @@ def _type_name(tp: Any) -> str:
             list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+def _show(value: Any, limit: int = 80) -> str:
+    """repr(value) for a one-line message: cut to `limit` characters; never raises (a 5000-digit int has no repr)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - e.g. ValueError: int too large to convert to str
+        text = f"<{type(value).__name__} too large to print>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotation `tp`; returns the value (ints widen to float)."""
+    """Check `value` against the annotation `tp`; returns the value (ints widen to float). Numbers are finite
+    (inf / nan are refused) and integers lie in [-INT_LIMIT, INT_LIMIT]."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is type(typing.get_args(tp)[0]):
             return value
-        raise ConfigError(f"{key}: got {value!r}, allowed: {_type_name(tp)}")
+        raise ConfigError(f"{key}: got {_show(value)}, allowed: {_type_name(tp)}")
     if origin is typing.Union:
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(arms) < len(typing.get_args(tp)):
+            return None
         errors = []
-        for arm in typing.get_args(tp):
-            if arm is type(None):
-                if value is None:
-                    return None
-                continue
+        for arm in arms:
             try:
                 return _coerce(key, value, arm)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{key}: got {value!r}, expected {_type_name(tp)}")
+        if len(arms) == 1 and len(arms) < len(typing.get_args(tp)):  # Optional[X]: X's own reason
+            raise ConfigError(f"{errors[0]} or null") from None
+        raise ConfigError(f"{key}: got {_show(value)}, expected {_type_name(tp)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -INT_LIMIT <= value <= INT_LIMIT:
+                raise ConfigError(f"{key}: got {_show(value)}, allowed: an integer in [{-INT_LIMIT}, {INT_LIMIT}]")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond the float range
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: got {_show(value)}, allowed: a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -475,7 +524,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return list(value)
     else:  # pragma: no cover - every field above uses one of these
         raise TypeError(f"unsupported config type {tp!r} for {key}")
-    raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}), expected {_type_name(tp)}")
+    raise ConfigError(f"{key}: got {_show(value)} ({type(value).__name__}), expected {_type_name(tp)}")
 
 
 def _build(cls: type, data: dict, prefix: str) -> Any:
@@ -520,7 +569,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"{item}: an override must look like key.sub=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except Exception:  # noqa: BLE001 - YAMLError, and ValueError for a 4300+ digit integer: the text as a string
         value = raw
     return key, value
 
@@ -530,7 +579,7 @@ def validate(cfg: Config) -> Config:
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
-            raise ConfigError(f"{dotted}: got {value!r}, allowed: {allowed}")
+            raise ConfigError(f"{dotted}: got {_show(value)}, allowed: {allowed}")
     if cfg.algo.mode == "skill_grpo" and cfg.scoring.scorer == "fork":
         pass  # skill_grpo scores only the rollout context; the scorer choice is irrelevant but allowed
     if "{action}" not in cfg.sft.think:
@@ -591,6 +640,10 @@ def _read_yaml(path: str, seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (ValueError, RecursionError) as e:  # e.g. an integer of 4300+ digits, nesting deeper than Python's stack
+        raise ConfigError(f"{path}: not a readable config ({_show(str(e), 120)})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file ({type(e).__name__}: {_show(str(e), 120)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
@@ -611,8 +664,35 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     return config_from_dict(data)
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+# Keys whose values are secrets: never written by dump_config (config.yaml, `python -m opid_mega.config`, experiment
+# records) and shown as *** in logged command lines (opid_mega.redact).
+SECRET_KEYS = ("analyzer.api_key",)
+
+
+def resolve_api_key(analyzer: AnalyzerConfig, environ: Optional[dict] = None) -> str:
+    """The analyzer endpoint's API key, resolved at run time: a non-empty `analyzer.api_key` as given (an explicit
+    key beats the environment; "EMPTY" is what local SGLang/vLLM servers accept); else the environment variable named
+    by `analyzer.api_key_env` when it is set and non-empty; else "EMPTY"."""
+    if analyzer.api_key:
+        return analyzer.api_key
+    env = os.environ if environ is None else environ
+    value = env.get(analyzer.api_key_env, "") if analyzer.api_key_env else ""
+    return value.strip() or "EMPTY"
+
+
+def redacted(cfg: Config) -> dict:
+    """cfg.to_dict() with every SECRET_KEYS value emptied (loading it back reads the key from the environment)."""
+    data = cfg.to_dict()
+    for dotted in SECRET_KEYS:
+        section, name = dotted.split(".")
+        data[section][name] = ""
+    return data
+
+
+def dump_config(cfg: Config, redact: bool = True) -> str:
+    """The resolved config as YAML. `redact` (the default: every dump is shown or written somewhere) writes the
+    SECRET_KEYS (analyzer.api_key) as "", so a file written from it never holds a key."""
+    return yaml.safe_dump(redacted(cfg) if redact else cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -325,7 +325,12 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     activations = {"none": act_none, "selective": act_sel, "full": act_full}[t.recompute]
     # fork scoring (forward only): the trainer's scoring micro-batch budget, one layer's working set at a time,
     # the K/V of the micro-batch (shared prefixes computed once, attended by every branch) and the head chunk
-    score_tokens = max(t.micro_batch_tokens, 4 * (r.max_prompt_tokens + r.max_response_tokens)) \
+    # (the trainer's bound: original + two skill contexts, each section capped at analyzer.max_skill_tokens plus its
+    # frame, ~30 tokens of title and instruction with the Qwen/Llama tokenizers)
+    from opid_mega.scoring.layout import fork_sample_bound
+
+    score_tokens = max(t.micro_batch_tokens, fork_sample_bound(r.max_prompt_tokens, r.max_response_tokens,
+                                                               [cfg.analyzer.max_skill_tokens + 40] * 2)) \
         if cfg.scoring.scorer == "fork" else t.micro_batch_tokens
     score_layer = score_tokens * act["full_layer"]
     score_kv = score_tokens * 2 * max(a["kv_heads"] / tp, 1) * a["head_dim"] * e

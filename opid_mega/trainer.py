@@ -142,7 +142,9 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
     server = None if a.base_url else launch(cfg, run_dir)
     base_url = a.base_url or server.url + "/v1"
     try:
-        return LLMAnalyzer(base_url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
+        from opid_mega.config import resolve_api_key
+
+        return LLMAnalyzer(base_url, model=a.model, api_key=resolve_api_key(a), concurrency=a.concurrency,
                            timeout_s=a.timeout_s, max_retries=a.max_retries, backoff_s=a.backoff_s,
                            backoff_max_s=a.backoff_max_s, temperature=a.temperature, max_tokens=a.max_tokens,
                            json_mode=a.json_mode, max_step_skills=a.max_step_skills, gamma=a.gamma,
@@ -319,6 +321,13 @@ def divergence_term(r, kind: str, delta: str) -> torch.Tensor:
     return algo.delta_baseline({k: v.double() for k, v in r.divergence[kind].items() if k != "topk_ids"}, delta)
 
 
+def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
+    """Tokens a skill section of `kind` may take: its fixed frame (title, instruction, brackets; measured with a
+    one-character skill) plus analyzer.max_skill_tokens for the skill plus 4 for tokenizer merges at the frame's
+    edges. `Trainer.fit_section` enforces it, and the fork scorer's budget is derived from it."""
+    return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
+
+
 def skill_key(task) -> str:
     """The skill bank's key of a task: the same string as `Trajectory.task_id` of its rollouts (the AgentLoop sets
     task_id = str(task.id)), so a task's rollouts find the skill of that task's own latest analysis."""
@@ -427,9 +436,16 @@ class Trainer:
         self.audit = AuditLog(self.run_dir / "audit.jsonl" if self.rank0 else None)
         self.analyzer, self.analyzer_server = build_analyzer(cfg, self.audit, self.run_dir) if self.rank0 \
             else (None, None)
-        # a fork group (a prompt, its skill sections, up to 3 responses) must fit one scoring micro-batch
+        # Analyzer output is untrusted: every skill is cut to analyzer.max_skill_tokens tokens (cut_analyses), so a
+        # skill section never exceeds section_caps[kind] tokens (fit_section), and one step-sample's fork group (the
+        # original context and one per section, each at most prompt + section + response) always fits the scoring
+        # budget: no analyzer output can make the fork scorer refuse a sample.
+        from opid_mega.scoring.layout import fork_sample_bound
+
+        self.section_caps = {k: skill_section_cap(self.encode_text, k, cfg.analyzer.max_skill_tokens) for k in KINDS}
         fork_budget = max(cfg.train.micro_batch_tokens,
-                          4 * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens))
+                          fork_sample_bound(cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens,
+                                            list(self.section_caps.values())))
         # every context is scored at the sampling temperature (old log-probs and Δ as the sampler saw them)
         # algo.delta = full_kl / topk_kl: the fork scorer also returns each skill context's divergences (one pass)
         self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature,
@@ -437,6 +453,7 @@ class Trainer:
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
+        self.skills_truncated = 0  # skills of the current iteration's analyses cut to analyzer.max_skill_tokens
         self.deadline_failures = 0  # analyses of the current iteration that missed analyzer.deadline_s
         self.start = 0
         self.current = 0  # the iteration in progress (0: none yet)
@@ -568,7 +585,10 @@ class Trainer:
                 for kind, skill in route.items():
                     at = s.episode_insert_at if kind == algo.EPISODE and cfg.algo.placement != "late" \
                         else s.step_insert_at
-                    skills[kind] = (at, self.encode_text(render_skill_section(skill, kind)))
+                    skill, ids = self.fit_section(skill, kind)
+                    if not ids:
+                        continue
+                    skills[kind] = (at, ids)
                     self.audit.log_augmented_prompt(iteration=it, sample_id=f"{it}/{trajs[ti].task_id}/{ti}/s{si}",
                                                     kind=kind, placement=cfg.algo.placement, skill=skill,
                                                     prompt=inject_skills(s.prompt_text, {kind: skill},
@@ -625,6 +645,7 @@ class Trainer:
             "analysis/failure_rate": (len(analyses) - len(analyzed)) / len(analyses) if cfg.algo.needs_analysis
             else None,
             "analysis/failures_total": self.analysis_failures,
+            "analysis/skills_truncated": self.skills_truncated if cfg.algo.needs_analysis else None,
             "analysis/deadline_failures": self.deadline_failures if cfg.algo.needs_analysis else None,
             "ppo/clipfrac": ppo.get("clipfrac"),
             "ppo/kl": ppo.get("kl"),
@@ -693,6 +714,9 @@ class Trainer:
             for v in views:
                 self.audit.log_analysis(iteration=it, traj_id=v.traj_id, task=v.task, won=v.won, prompt=None,
                                         raw_reply=None, failure=f"{type(exc).__name__}: {exc}")
+        analyses, cut = self.cut_analyses(analyses, len(views))
+        if count_failures:
+            self.skills_truncated = cut
         from opid_mega.skills.llm_analyzer import LLMAnalyzer
 
         if not isinstance(self.analyzer, LLMAnalyzer):  # the LLM analyzer writes its own audit records
@@ -733,6 +757,45 @@ class Trainer:
             if an is not None and an.episode_skill.strip():
                 skills[i] = an.episode_skill
         return skills
+
+    def cut_analyses(self, analyses: list, n: int) -> tuple[list, int]:
+        """(analyses, skills cut): analyzer output is untrusted, so each of the `n` analyses is sanitised
+        (opid_mega.skills.sanitize; an unusable one, or one whose handling fails, becomes None: it costs only itself)
+        and every skill is cut to analyzer.max_skill_tokens tokens of the policy tokenizer at a word boundary."""
+        from opid_mega.skills.sanitize import cut_analysis, sanitize_analysis
+
+        def count(text: str) -> int:
+            return len(self.encode_text(text))
+
+        analyses = (list(analyses) + [None] * n)[:n]  # an analyzer that returned too few or too many entries
+        out, cut = [], 0
+        for a in analyses:
+            try:
+                a = sanitize_analysis(a)
+                if a is not None:
+                    a, k = cut_analysis(a, self.cfg.analyzer.max_skill_tokens, count)
+                    cut += k
+                    if not a.episode_skill.strip():
+                        a = None
+            except Exception as exc:  # noqa: BLE001
+                print(f"opid-train: an analysis could not be prepared ({type(exc).__name__}: {exc}); no skill "
+                      "signal for its trajectory", file=sys.stderr)
+                a = None
+            out.append(a)
+        return out, cut
+
+    def fit_section(self, skill: str, kind: str) -> tuple[str, list]:
+        """(skill, token ids of its section) with the section at most section_caps[kind] tokens. A skill already cut
+        to analyzer.max_skill_tokens fits; should tokenizer merges at the frame's edges make it longer, the skill is
+        cut further (word boundary), so the fork scorer's budget always holds."""
+        ids = self.encode_text(render_skill_section(skill, kind))
+        cap = self.section_caps[kind]
+        if len(ids) > cap:
+            from opid_mega.skills.sanitize import cut_to_tokens
+
+            skill, _ = cut_to_tokens(skill, cap, lambda t: len(self.encode_text(render_skill_section(t, kind))))
+            ids = self.encode_text(render_skill_section(skill, kind))
+        return skill, ids
 
     def encode_text(self, text: str) -> list:
         """Token ids of a prompt piece (a skill section), tokenized like the rollout prompts' pieces."""

@@ -306,12 +306,37 @@ def child_env(threads: Optional[int]) -> dict:
     return env
 
 
+# The analyzer key never travels on a child's command line (visible in `ps`) nor into a record: an
+# `analyzer.api_key=K` override is replaced by `analyzer.api_key=` + `analyzer.api_key_env=SECRET_ENV` and K is passed
+# in the children's environment (opid_mega.config.resolve_api_key reads it there).
+SECRET_ENV = "OPID_EXPERIMENT_ANALYZER_API_KEY"
+
+
+def move_secrets(overrides: Sequence[str]) -> tuple[list, dict]:
+    """(overrides without the analyzer key, the environment variables that carry it instead)."""
+    out, env = [], {}
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        if key.strip() == "analyzer.api_key":
+            if value.strip():
+                env[SECRET_ENV] = value.strip()
+            else:
+                env.pop(SECRET_ENV, None)
+            continue
+        out.append(str(o))
+    if env:
+        out += ["analyzer.api_key=", f"analyzer.api_key_env={SECRET_ENV}"]
+    return out, env
+
+
 def run_logged(name: str, cmd: list, log_path: Path, env: dict) -> float:
     """Run one step as a subprocess with its output in log_path; its wall seconds, or ExperimentError."""
+    from opid_mega.redact import redact_args
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w") as f:
-        f.write("$ " + " ".join(str(c) for c in cmd) + "\n")
+        f.write("$ " + " ".join(redact_args(cmd)) + "\n")  # a secret in an override is shown as ***
         f.flush()
         rc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
     if rc != 0:
@@ -321,8 +346,11 @@ def run_logged(name: str, cmd: list, log_path: Path, env: dict) -> float:
 
 
 def spec_of(config: str, overrides: Sequence[str]) -> dict:
+    from opid_mega.redact import redact_args
+
     text = (ROOT / config).read_text() if not Path(config).is_absolute() else Path(config).read_text()
-    return {"config": config, "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "overrides": list(overrides)}
+    return {"config": config, "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "overrides": redact_args(overrides)}
 
 
 def check_spec(out: Path, spec: dict) -> None:
@@ -606,7 +634,7 @@ def _run(args) -> int:
         raise ExperimentError(f"unknown arm(s) {', '.join(unknown)}; allowed: {', '.join(ARMS)}")
     if len(set(seeds)) != len(seeds) or len(set(arms)) != len(arms):
         raise ExperimentError("--seeds and --arms must not repeat an item")
-    overrides = list(preset.overrides) + list(args.overrides)
+    overrides, secret_env = move_secrets(list(preset.overrides) + list(args.overrides))
     try:
         cfg = load_base(preset.config, overrides)
     except ConfigError as e:
@@ -622,7 +650,7 @@ def _run(args) -> int:
     steps = eval_steps(iterations, cfg.eval.interval, cfg.eval.before_training)
     if not steps or not cfg.eval.num_tasks:
         raise ExperimentError("the experiment needs held-out evaluations: eval.interval > 0 and eval.num_tasks > 0")
-    env = child_env(args.threads)
+    env = {**child_env(args.threads), **secret_env}
     py = sys.executable
     config_path = str(ROOT / preset.config)
 

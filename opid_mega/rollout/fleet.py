@@ -69,6 +69,7 @@ import requests
 import torch
 
 from opid_mega import shutdown as _shutdown
+from opid_mega.redact import redact_args
 from opid_mega.rollout.engine import EngineError, GenerationResult, RolloutDeadline, SamplingParams, check_prompts
 from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
 
@@ -461,7 +462,7 @@ class RouterFleet(FleetEngine):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.router_log_path = str(log_dir / f"sglang_router_{self.router_port}.log")
         self._router_log = open(self.router_log_path, "ab")
-        self._router_log.write(("$ " + " ".join(self.command) + "\n").encode())
+        self._router_log.write(("$ " + " ".join(redact_args(self.command)) + "\n").encode())  # no key values
         self._router_log.flush()
         if _shutdown.stopping():
             raise EngineError("not launching the SGLang router: the trainer is shutting down")

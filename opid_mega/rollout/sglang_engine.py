@@ -54,6 +54,7 @@ import requests
 import torch
 
 from opid_mega import shutdown as _shutdown
+from opid_mega.redact import redact_args
 from opid_mega.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, GenerationResult,
                                       RolloutDeadline, SamplingParams, check_prompts)
 
@@ -348,7 +349,7 @@ class SGLangEngine:
         if _shutdown.stopping():
             raise EngineError("not launching an SGLang server: the trainer is shutting down")
         self._log_file = open(self.log_path, "ab")
-        self._log_file.write(("$ " + " ".join(self.command) + "\n").encode())
+        self._log_file.write(("$ " + " ".join(redact_args(self.command)) + "\n").encode())  # no --api-key value
         self._log_file.flush()
         self._proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)

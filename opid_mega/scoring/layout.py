@@ -176,6 +176,17 @@ def sample_prefix_lengths(tokens, ctx_offsets, resp_lens, sample_offsets, plain:
     return out
 
 
+def fork_sample_bound(max_prompt_tokens: int, max_response_tokens: int, section_tokens: Sequence[int]) -> int:
+    """The most tokens one step-sample can need in the fork layout: its original context and one context per skill
+    section, each at most prompt + section + response long, none sharing a prefix (a section inserted at the very
+    start): (1 + len(sections)) * (prompt + response) + sum(sections). A scoring budget of at least this never
+    refuses a sample (`group_samples` raises for a sample larger than the budget)."""
+    bad = [v for v in (max_prompt_tokens, max_response_tokens, *section_tokens) if int(v) != v or v < 0]
+    if bad:
+        raise ValueError(f"fork_sample_bound: token counts must be integers >= 0, got {bad[0]!r}")
+    return (1 + len(section_tokens)) * (int(max_prompt_tokens) + int(max_response_tokens)) + int(sum(section_tokens))
+
+
 def sample_group_tokens(ctx_offsets, sample_offsets, prefix_lens) -> np.ndarray:
     """Tokens one sample needs alone in the fork layout: P + sum over its contexts of (len - P)."""
     lens = np.diff(ctx_offsets)

@@ -27,6 +27,10 @@ in memory, and appended to `cache_path` (JSONL) when given, so a resumed run or 
 Failures are never cached. Identical prompts within one call are sent once (cache on). Every trajectory gets its
 own Analysis object.
 
+Untrusted text: `opid_mega.skills.sanitize` cleans and caps each reply as it arrives, and every analysis written to
+or read back from the cache, so one poisoned reply (a lone surrogate, control characters, a 5000-digit step key)
+costs at most its own analysis, never the batch or a resumed run; a failed cache write costs only that entry.
+
 Concurrency: at most `concurrency` requests in flight per analyzer (one worker pool), whatever the number of
 concurrent `analyze`/`submit` calls.
 
@@ -56,6 +60,7 @@ from opid_mega.skills.audit import AuditLog
 from opid_mega.skills.base import Analyzer
 from opid_mega.skills.parser import parse_analysis
 from opid_mega.skills.prompts import build_analysis_prompt, build_reask_prompt
+from opid_mega.skills.sanitize import analysis_from_dict, clean_text, sanitize_analysis, sanitize_reply
 from opid_mega.skills.types import Analysis, AnalysisParseError, TrajectoryView
 
 logger = logging.getLogger(__name__)
@@ -135,7 +140,6 @@ class _Call:
         return f"deadline: analyzer.deadline_s={self.deadline_s:g} s passed before this analysis was done"
 
 
-
 class LLMAnalyzer(Analyzer):
     def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", concurrency: int = 16,
                  timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
@@ -197,7 +201,9 @@ class LLMAnalyzer(Analyzer):
         url = base_url or acfg.base_url
         if not url:
             raise ValueError("analyzer.base_url is empty: launch an OpenAI-compatible server first and pass its URL")
-        return cls(url, acfg.model, api_key=acfg.api_key, concurrency=acfg.concurrency, timeout_s=acfg.timeout_s,
+        from opid_mega.config import resolve_api_key  # analyzer.api_key, else $analyzer.api_key_env, else EMPTY
+
+        return cls(url, acfg.model, api_key=resolve_api_key(acfg), concurrency=acfg.concurrency, timeout_s=acfg.timeout_s,
                    max_retries=acfg.max_retries, backoff_s=acfg.backoff_s, backoff_max_s=acfg.backoff_max_s,
                    temperature=acfg.temperature, max_tokens=acfg.max_tokens, json_mode=acfg.json_mode,
                    max_step_skills=acfg.max_step_skills, gamma=acfg.gamma, cache=True, cache_path=cache_path,
@@ -290,6 +296,11 @@ class LLMAnalyzer(Analyzer):
                 self._count("failures")
                 self._count("deadline_failures", len(groups[key]))
                 logger.warning("LLM analysis of trajectory %s: %s; no skill signal", rec.traj_id, rec.failure)
+            except Exception as e:  # noqa: BLE001 - a bug in one analysis costs that analysis, not the batch
+                logger.exception("LLM analysis of trajectory %s failed unexpectedly", groups[key][0])
+                rec = AnalysisRecord(traj_id=getattr(trajs[groups[key][0]], "traj_id", "") or str(groups[key][0]),
+                                     prompt=prompts[key], failure=self._scrub(f"unexpected {type(e).__name__}: {e}"))
+                self._count("failures")
             idxs = groups[key]
             for n, i in enumerate(idxs):
                 if n == 0:
@@ -349,6 +360,12 @@ class LLMAnalyzer(Analyzer):
             rec.failure = f"unexpected {type(e).__name__}: {e}"
             logger.exception("LLM analysis of trajectory %s failed unexpectedly", traj_id)
         rec.elapsed_s = time.perf_counter() - t0
+        if rec.analysis is not None:
+            rec.analysis = sanitize_analysis(rec.analysis)  # the parser's output already is; any client's may not be
+            if rec.analysis is None:
+                rec.failure = "parse: the analysis holds no usable episode skill after sanitising"
+        if rec.failure is not None:
+            rec.failure = self._scrub(clean_text(rec.failure, 4096))
         if rec.analysis is None and call.abandoned.is_set():
             pass  # past the deadline: the caller already counted this analysis as a deadline failure
         elif rec.analysis is None:
@@ -358,12 +375,20 @@ class LLMAnalyzer(Analyzer):
             logger.warning("LLM analysis of trajectory %s failed (%s): no skill signal", traj_id, rec.failure)
         else:
             self._count("analyzed")
-            self._cache_put(key, rec.analysis)
+            try:
+                self._cache_put(key, rec.analysis)
+            except Exception:  # noqa: BLE001 - a cache write that fails costs the cache entry, never the analysis
+                logger.exception("LLM analyzer: writing the cache entry of trajectory %s failed", traj_id)
         return rec
+
+    def _scrub(self, text: str) -> str:
+        """`text` with the API key (when it is a real one) replaced by ***: error bodies may echo it."""
+        key = self.api_key
+        return text.replace(key, "***") if key and key != "EMPTY" and len(key) >= 6 else text
 
     def _request_and_parse(self, prompt: str, n_steps: int, call: _Call, rec: AnalysisRecord) -> Analysis:
         candidates = range(n_steps)
-        answer = self._chat(prompt, call, rec)
+        answer = sanitize_reply(self._chat(prompt, call, rec))  # untrusted text: cleaned and capped at the boundary
         rec.replies.append(answer)
         try:
             return parse_analysis(answer, candidates, self.max_step_skills)
@@ -371,7 +396,7 @@ class LLMAnalyzer(Analyzer):
             self._count("reasks")
             rec.reasked = True
             reask = build_reask_prompt(prompt, answer, str(first_error))
-            answer2 = self._chat(reask, call, rec)
+            answer2 = sanitize_reply(self._chat(reask, call, rec))
             rec.replies.append(answer2)
             try:
                 return parse_analysis(answer2, candidates, self.max_step_skills)
@@ -409,7 +434,7 @@ class LLMAnalyzer(Analyzer):
         return body
 
     def _backoff(self, retry: int, retry_after: Optional[float]) -> float:
-        delay = min(self.backoff_max_s, self.backoff_s * (2 ** retry))
+        delay = min(self.backoff_max_s, self.backoff_s * (2.0 ** min(retry, 64)))  # no float overflow
         with self._lock:
             delay = delay / 2 + self._rng.uniform(0, delay / 2)  # "equal jitter": spread, never below half
         if retry_after is not None:
@@ -508,18 +533,19 @@ class LLMAnalyzer(Analyzer):
         path = self._cache_path
         if path is None or not path.exists():
             return
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()  # a torn UTF-8 byte: that line only
         bad = 0
         for line in lines:
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                a = rec["analysis"]
-                self._cache[rec["key"]] = Analysis(
-                    episode_summary=str(a.get("episode_summary", "")), episode_skill=str(a["episode_skill"]),
-                    step_skills={int(k): str(v) for k, v in (a.get("step_skills") or {}).items()})
-            except (ValueError, KeyError, TypeError, AttributeError):
+                # sanitised like a fresh reply: a cache line can never replay a crash (surrogates, huge keys, ...)
+                a = analysis_from_dict(rec["analysis"])
+                if a is None or not isinstance(rec["key"], str):
+                    raise ValueError("no usable analysis")
+                self._cache[rec["key"]] = a
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 bad += 1  # a torn line from a killed run, or a foreign line: skip it
         if bad:
             logger.warning("LLM analyzer cache %s: skipped %d unreadable line(s)", path, bad)

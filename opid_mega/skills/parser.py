@@ -14,6 +14,10 @@ The reference's rules, in order:
     reply's order are kept. Empty/whitespace step skills that survive this are dropped afterwards (no section is
     ever rendered for them), so they still count towards K, as in the reference.
 Anything unusable raises `AnalysisParseError`, never another exception.
+
+Untrusted text (opid_mega.skills.sanitize): the reply is sanitised before parsing (cut to MAX_REPLY_CHARS, control
+characters and lone surrogates replaced) and so is every string of the result (a `\\ud800` escape inside the JSON
+decodes to a lone surrogate); a step key of more than MAX_STEP_KEY_DIGITS digits is no integer (dropped).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import json
 import re
 from typing import Any, Iterable, Iterator
 
+from opid_mega.skills.sanitize import clean_text, sanitize_reply, step_index
 from opid_mega.skills.types import Analysis, AnalysisParseError
 
 _FENCE = re.compile(r"```(?:[A-Za-z0-9_-]*)[ \t]*\n?(.*?)```", re.S)
@@ -117,13 +122,10 @@ def _find_object(text: str) -> dict | None:
 
 
 def _as_int(key: Any) -> int | None:
-    if isinstance(key, bool):
-        return None
-    if isinstance(key, int):
-        return key
-    if isinstance(key, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", key):
-        return int(key)
-    return None
+    """A step key as an int (an int, or a string of digits with optional sign and surrounding space); None otherwise.
+    Negative and huge keys (more than MAX_STEP_KEY_DIGITS digits: int() would raise) are None: never a step, so they
+    are skipped like any key outside the candidate set."""
+    return step_index(key)
 
 
 def _as_str(value: Any) -> str | None:
@@ -141,6 +143,7 @@ def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: i
     """Parse an analyzer reply into an `Analysis` (see the module docstring); `AnalysisParseError` if unusable."""
     if not isinstance(text, str):
         raise AnalysisParseError(f"reply is {type(text).__name__}, not text")
+    text = sanitize_reply(text)
     candidates = set(candidate_steps)
     try:
         obj = _find_object(text)
@@ -151,10 +154,11 @@ def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: i
     skill = obj[_KEY]
     if not isinstance(skill, str):
         raise AnalysisParseError(f"'episode_skill' is {type(skill).__name__}, not a string")
+    skill = clean_text(skill)
     if not skill.strip():
         raise AnalysisParseError("'episode_skill' is empty")
     summary = obj.get("episode_summary", "")
-    summary = summary.strip() if isinstance(summary, str) else ""
+    summary = clean_text(summary).strip() if isinstance(summary, str) else ""
     raw_steps = obj.get("step_skills")
     kept: dict[int, str] = {}
     if isinstance(raw_steps, dict):
@@ -164,6 +168,6 @@ def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: i
             idx, val = _as_int(key), _as_str(value)
             if idx is None or val is None or idx not in candidates or idx in kept:
                 continue
-            kept[idx] = val
+            kept[idx] = clean_text(val)
     step_skills = {idx: val.strip() for idx, val in kept.items() if val.strip()}
     return Analysis(episode_summary=summary, episode_skill=skill.strip(), step_skills=step_skills)

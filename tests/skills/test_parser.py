@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opid_mega.skills import AnalysisParseError, parse_analysis
+from opid_mega.skills.sanitize import clean_text
 
 GOOD = {"episode_summary": "went well", "episode_skill": "go to the sink, then put the mug",
         "step_skills": {"0": "open the fridge", "3": "take the mug", "4": "put it"}}
@@ -40,11 +41,12 @@ def test_fenced_block_comes_before_the_whole_reply():
 
 
 def test_raw_newlines_tabs_and_control_characters_inside_strings():
-    """Non-strict JSON decoding: control characters inside strings are accepted."""
+    """Non-strict JSON decoding: control characters inside strings are accepted; newlines and tabs are kept, any
+    other control character is replaced by U+FFFD (untrusted text, opid_mega.skills.sanitize)."""
     text = ('{"episode_summary": "line one\nline two", "episode_skill": "first\tgo to the sink\n'
             'then put the mug\x01 down", "step_skills": {"2": "open\nthe fridge"}}')
     a = parse_analysis(text, range(3), 5)
-    assert a.episode_skill == "first\tgo to the sink\nthen put the mug\x01 down"
+    assert a.episode_skill == "first\tgo to the sink\nthen put the mug\ufffd down"
     assert a.episode_summary == "line one\nline two" and a.step_skills == {2: "open\nthe fridge"}
 
 
@@ -185,6 +187,7 @@ def test_valid_objects_round_trip(skill, steps, k, prose, raw):
         if "\\" in body.replace('\\"', "").replace("\\\\", ""):
             return  # other escapes stay escaped; nothing to un-escape safely
     a = parse_analysis(prose + "\n" + body, range(20), k)
-    assert a.episode_skill == skill.strip()
-    want = [(i, v.strip()) for i, v in steps.items() if i < 20][:k]
+    # control characters other than newline / tab come back as U+FFFD (opid_mega.skills.sanitize)
+    assert a.episode_skill == clean_text(skill).strip()
+    want = [(i, clean_text(v).strip()) for i, v in steps.items() if i < 20][:k]
     assert list(a.step_skills.items()) == want
