@@ -117,19 +117,16 @@ def packed_seq_params(cu_seqlens: torch.Tensor, branch_ids: Optional[torch.Tenso
 
 @functools.lru_cache(maxsize=None)
 def _te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from opid_mega.megatron import te_guard
+
+    return te_guard.usable()  # any import problem (OSError from its .so ...) counts as "not installed"
 
 
 @functools.lru_cache(maxsize=None)
 def _flash_attn_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not installed, or a build that fails to load (OSError, undefined symbol)
         return None
     return flash_attn_varlen_func
 

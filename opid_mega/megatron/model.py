@@ -174,13 +174,22 @@ def recompute_config(mode: str) -> dict:
 
 
 def layer_spec(config: TransformerConfig):
-    """Local spec (TE spec when Transformer Engine is importable) with PackedCoreAttention."""
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    """Local spec (TE spec when Transformer Engine imports: any import problem of TE means the local spec,
+    :mod:`opid_mega.megatron.te_guard`) with PackedCoreAttention."""
+    from opid_mega.megatron import te_guard
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    except ImportError:
+    spec = None
+    if te_guard.usable():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        except Exception as exc:  # noqa: BLE001 - a TE that imports but whose megatron spec cannot be built
+            import warnings
+
+            warnings.warn(f"Transformer Engine layer spec unavailable ({type(exc).__name__}: {exc}); using "
+                          "megatron-core's local layers", RuntimeWarning, stacklevel=2)
+    if spec is None:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
         if config.sequence_parallel:  # megatron's torch norms refuse sequence parallel; ours mark their weights
             sub = spec.submodules
