@@ -1,24 +1,57 @@
 """opid-mega: Megatron-scale On-Policy Skill Distillation (OPID).
 
-`pip install -e .` builds the C++ batch builder (`opid_mega._C`) when a compiler is present; the package works
-without it (pure-Python fallback). `kernels/` installs as `opid_mega.kernels`.
+`pip install -e .` builds the C++ batch builder (`opid_mega._C`) when pybind11 and a compiler are present. The
+extension is optional: when it cannot be built (no compiler, no Python headers, pybind11 missing) the install goes on
+and prints ONE warning that the numpy batch builder will be used (`opid_mega.batching` falls back to it).
+`kernels/` installs as `opid_mega.kernels`.
 """
 import os
+import sys
 
 from setuptools import find_packages, setup
 
 try:
     from pybind11.setup_helpers import Pybind11Extension, build_ext
-except ImportError:  # pragma: no cover - pybind11 is a build requirement (pyproject.toml)
+except ImportError as exc:  # a build requirement (pyproject.toml), but a --no-build-isolation install may lack it
     Pybind11Extension = None
     build_ext = None
+    _PYBIND11_ERROR = exc
+else:
+    _PYBIND11_ERROR = None
+
+FALLBACK = "opid_mega._C (the C++ batch builder) is not built; opid_mega.batching uses the slower numpy builder"
+
+
+def _warn(why: str) -> None:
+    bar = "=" * 100
+    print(f"\n{bar}\nWARNING: {FALLBACK}: {why}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+if build_ext is not None:
+    class OptionalBuildExt(build_ext):
+        """build_ext that never fails the install: a compile or link error prints one warning and builds nothing."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - CompileError, LinkError, a missing compiler (PlatformError ...)
+                _warn(f"{type(exc).__name__}: {exc}")
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                _warn(f"{type(exc).__name__}: {exc}")
 
 
 def extensions():
-    if Pybind11Extension is None:
-        return [], {}
-    sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp"))
+    sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")) \
+        if os.path.isdir("csrc") else []
     if not sources:
+        return [], {}
+    if Pybind11Extension is None:
+        if any(a.startswith(("build", "install", "develop", "bdist", "editable")) for a in sys.argv[1:]):
+            _warn(f"pybind11 is not installed ({_PYBIND11_ERROR}); `pip install pybind11` and reinstall to build it")
         return [], {}
     ext = Pybind11Extension(
         "opid_mega._C",
@@ -27,7 +60,7 @@ def extensions():
         cxx_std=17,
         extra_compile_args=["-O3"],
     )
-    return [ext], {"build_ext": build_ext}
+    return [ext], {"build_ext": OptionalBuildExt}
 
 
 ext_modules, cmdclass = extensions()
