@@ -233,8 +233,10 @@ class OpidGPTModel(GPTModel):
         rotary = freqs[:, 0][position_ids.t()]  # [S, B, 1, D]: each token's own position
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
                               packed_seq_params=packed_seq_params)
-        if not self.post_process or score_rows is None:
-            return hidden
+        if not self.post_process:
+            return hidden  # model dtype: the next pipeline stage's input (pipeline_dtype)
+        if score_rows is None:
+            return hidden.float()  # the last stage's outputs are fp32 (Float16Module's fp32_output)
         return self.score(hidden, score_rows, score_targets, return_entropy, temperature, pairs, topk)
 
     def output_weight(self) -> torch.Tensor:
@@ -307,11 +309,25 @@ def build_chunk(hf, config: TransformerConfig, pre_process: bool = True, post_pr
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=a["rope_theta"], vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    if not torch.cuda.is_available():
-        m = m.float() if config.params_dtype == torch.float32 else m.to(config.params_dtype)
-    else:
+    if torch.cuda.is_available():
         m = m.cuda()
-    return m
+    return to_model_dtype(m, config)
+
+
+def model_dtype(config: TransformerConfig) -> torch.dtype:
+    """The dtype every parameter and floating buffer of the model has: fp16 / bf16 when the config says so (as
+    megatron's Float16Module decides), else ``params_dtype``."""
+    return torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else config.params_dtype
+
+
+def to_model_dtype(m: torch.nn.Module, config: TransformerConfig) -> torch.nn.Module:
+    """megatron's ``Float16Module`` semantics without the wrapper (its ``module.`` prefix would change every
+    checkpoint key and attribute path): the WHOLE module goes to fp16 / bf16 -- norms, biases and embeddings too
+    (megatron builds linear weights in ``params_dtype`` on the GPU but leaves torch norms in fp32) -- and the last
+    stage's outputs are fp32 (:meth:`OpidGPTModel.forward`; the log-prob head computes in fp32 and returns fp32).
+    The same on CPU and GPU. The optimizer keeps fp32 main weights beside the bf16 ones (megatron's mixed-precision
+    optimizer) and the DDP grad buffers are fp32 (``grad_reduce_in_fp32``)."""
+    return m.to(model_dtype(config))
 
 
 def build_model(hf, config: TransformerConfig) -> list[OpidGPTModel]:
