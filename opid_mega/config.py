@@ -71,8 +71,9 @@ class EnvConfig:
     train_split: str = "train"
     eval_split: str = "test"
     num_workers: int = 8  # environments stepped in parallel threads (the AgentLoop's thread pool)
-    # Time limit of one env step; past it the trajectory ends as an env error (rollout/env_errors) and the loop
-    # moves on. In-process envs leave the stuck call behind in a daemon thread; `options: {process: true}` kills it.
+    # Deadline of each env reset/step; past it the trajectory ends as an env error (rollout/env_errors) and the loop
+    # moves on. TextWorld/ALFWorld run in worker processes by default: the worker is killed, the slot's next reset
+    # runs in a fresh one. `options: {process: false}` keeps an env in-process (the stuck call is left in a thread).
     step_timeout_s: float = 60.0
 
 

@@ -805,7 +805,8 @@ class Trainer:
         # colocated: an attached server gets back the memory this run released (Ctrl-C mid-iteration included)
         for closer in (getattr(getattr(self, "colocation", None), "close", None),
                        getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
-                       getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None)):
+                       getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None),
+                       getattr(getattr(self, "env0", None), "close", None)):  # env worker processes end here
             if closer:
                 try:
                     closer()

@@ -26,6 +26,13 @@ What reaches a simulator is sanitised by its backend (TextWorld/ALFWorld: only a
 anything else is answered "Nothing happens." without a game call; WebShop: only well-formed search/click actions
 reach the server). Only a real simulator fault raises (EnvError and friends): the agent loop ends that trajectory as
 an env error. `step_with_timeout(env, action, timeout_s)` puts a time limit on a step (EnvTimeout past it).
+
+Deadlines: `make_env(..., step_timeout_s=...)` gives every call into the simulator (reset and step) a hard deadline
+enforced by the env itself. TextWorld/ALFWorld run in a worker process by default (`ProcessEnv`): a call past the
+deadline kills the worker and raises EnvTimeout, the next call runs in a fresh worker. An in-process env
+(`Env.step_timeout_s` set) runs `_reset`/`_step` in a daemon thread and raises EnvTimeout past the deadline; Python
+cannot stop that thread, so the env is then unusable (EnvError on every later call: build a new one) and a stuck
+TextWorld call keeps the process-wide TextWorld lock, so later TextWorld calls in that process time out too.
 """
 from __future__ import annotations
 
@@ -78,6 +85,10 @@ class Env:
     default_max_steps: int = 30
     default_success_reward: float = 10.0
     noop_action: str = ""  # what the agent loop steps for a response without an action: see the module docstring
+    # Deadline (seconds) of each reset/step, run in a daemon thread (None: the call runs in the caller's thread, no
+    # limit). make_env sets it; see the module docstring.
+    step_timeout_s: Optional[float] = None
+    _stuck: str = ""  # set when a call ran past its deadline (its thread may still be running)
 
     def __init__(self, max_steps: Optional[int] = None, success_reward: Optional[float] = None):
         self.max_steps = int(max_steps if max_steps is not None else self.default_max_steps)
@@ -116,10 +127,26 @@ class Env:
         return self._last_raw or ""
 
     # ---- protocol -----------------------------------------------------------------------------------------------
+    def _deadline(self, what: str, timeout_s: Optional[float], fn, *args):
+        """`fn(*args)` under a deadline of `timeout_s` seconds (None: in this thread, no limit)."""
+        if self._stuck:
+            raise EnvError(f"{self.name}: unusable: {self._stuck} ran past its deadline and may still be running "
+                           "(an in-process env cannot be stopped); build a new env, or run it in a worker process "
+                           "(make_env(..., process=True))")
+        if timeout_s is None:
+            return fn(*args)
+        try:
+            return run_with_deadline(fn, args, timeout_s, f"{self.name}-{what.split('(')[0]}")
+        except EnvTimeout:
+            self._stuck = what
+            raise EnvTimeout(f"{self.name}: {what} did not return within {timeout_s} s (env.step_timeout_s); the "
+                             "call is left running in a daemon thread and this env is unusable") from None
+
     def reset(self, task: Task) -> str:
         if not isinstance(task, Task):
             raise TypeError(f"{self.name}.reset expects a Task, got {type(task).__name__}")
-        obs, raw, admissible, description = self._reset(task)
+        obs, raw, admissible, description = self._deadline(f"reset({task.id!r})", self.step_timeout_s, self._reset,
+                                                           task)
         self._task = task
         self._task_description = description
         self._admissible = list(admissible)
@@ -131,13 +158,18 @@ class Env:
         return obs
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        return self.step_with_timeout(action_text, self.step_timeout_s)
+
+    def step_with_timeout(self, action_text: str, timeout_s: Optional[float]) -> tuple[str, float, bool, dict]:
+        """`step` under a deadline of `timeout_s` seconds instead of `step_timeout_s` (None: no limit)."""
         if self._task is None:
             raise EnvError(f"{self.name}: step() called before reset(task)")
         if self._done:
             raise EnvError(f"{self.name}: step() called after the episode ended; call reset(task) first")
         if not isinstance(action_text, str):
             raise TypeError(f"{self.name}.step expects a str action, got {type(action_text).__name__}")
-        obs, raw, admissible, won, invalid, extra = self._step(action_text)
+        obs, raw, admissible, won, invalid, extra = self._deadline(f"step({_preview(action_text)})", timeout_s,
+                                                                   self._step, action_text)
         self._steps += 1
         self._admissible = list(admissible)
         self._last_obs = obs
@@ -223,35 +255,45 @@ class Env:
         self.close()
 
 
-def step_with_timeout(env, action: str, timeout_s: Optional[float]):
-    """`env.step(action)` under a time limit of `timeout_s` seconds (None: no limit); raises EnvTimeout past it.
-
-    An env that enforces the limit itself (`ProcessEnv.step_with_timeout`: it kills its worker process, so nothing
-    is left running) does so; any other env steps in a daemon thread that is abandoned past the limit (Python
-    cannot stop a thread: the env must then be discarded, not closed — its call may still be running).
-    """
-    if timeout_s is None:
-        return env.step(action)
-    own = getattr(env, "step_with_timeout", None)
-    if callable(own):
-        return own(action, timeout_s)
+def run_with_deadline(fn, args: tuple, timeout_s: float, name: str = "env"):
+    """`fn(*args)` in a daemon thread, waited for `timeout_s` seconds: its result, or its exception re-raised, or
+    EnvTimeout past the deadline (the thread is abandoned: Python cannot stop it)."""
     box: dict = {}
 
     def target():
         try:
-            box["result"] = env.step(action)
+            box["result"] = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             box["error"] = exc
 
-    thread = threading.Thread(target=target, daemon=True, name=f"opid-env-step-{getattr(env, 'name', 'env')}")
+    thread = threading.Thread(target=target, daemon=True, name=f"opid-env-{name}")
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise EnvTimeout(f"{getattr(env, 'name', 'env')}: step({_preview(action)}) did not return within "
-                         f"{timeout_s} s (env.step_timeout_s)")
+        raise EnvTimeout(f"{name}: did not return within {timeout_s} s")
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def step_with_timeout(env, action: str, timeout_s: Optional[float]):
+    """`env.step(action)` under a time limit of `timeout_s` seconds (None: the env's own deadline, if any); raises
+    EnvTimeout past it.
+
+    An env that enforces the limit itself does so (`ProcessEnv.step_with_timeout` kills its worker process, so
+    nothing is left running; `Env.step_with_timeout` steps in a daemon thread and marks the env unusable); any other
+    object steps in a daemon thread that is abandoned past the limit (the env must then be discarded, not closed —
+    its call may still be running).
+    """
+    if timeout_s is None:
+        return env.step(action)
+    if callable(getattr(type(env), "step_with_timeout", None)):  # its class's own (not a wrapper's delegation)
+        return env.step_with_timeout(action, timeout_s)
+    try:
+        return run_with_deadline(env.step, (action,), timeout_s, f"step-{getattr(env, 'name', 'env')}")
+    except EnvTimeout:
+        raise EnvTimeout(f"{getattr(env, 'name', 'env')}: step({_preview(action)}) did not return within "
+                         f"{timeout_s} s (env.step_timeout_s)") from None
 
 
 def _preview(action, n: int = 60) -> str:
@@ -288,6 +330,10 @@ class TextWorldGameEnv(Env):
         return None if self._walkthrough is None else list(self._walkthrough)
 
     def _close_game(self) -> None:
+        if self._stuck:  # a call past its deadline may still run in the game and hold the lock: just let go of it
+            self._tw_env = None
+            self._tw_path = None
+            return
         if self._tw_env is not None:
             from opid_mega.envs._cache import TEXTWORLD_LOCK
 

@@ -12,6 +12,15 @@ here (Inform7 compile); `prepare(tasks)` pre-generates a task list (do it before
 
 Threads: instances can be used from many threads, but every call into textworld (generation, load, reset, step) is
 serialised by a process-wide lock (`_cache.TEXTWORLD_LOCK`, see there); a generation holds it for seconds.
+`make_env("textworld")` runs the env in a worker process (`ProcessEnv`) under `step_timeout_s`; `process=False`
+builds this class in the caller's process.
+
+Commands: by default only admissible commands reach the game (`admissible_only=True`). `admissible_only=False` sends
+any non-empty command to the game's parser, as TextWorld itself does (the game answers "That's not a verb I
+recognise." and the like; the step is still flagged invalid when the command was not admissible), except one the
+interpreter cannot take whole (over 198 UTF-8 bytes, or not encodable), which is an invalid step without a game call.
+jericho hangs on some control characters (e.g. "\x00\x01\x02"): with admissible_only=False only the deadline
+(`step_timeout_s`, a worker kill) bounds such a step.
 """
 from __future__ import annotations
 
@@ -119,6 +128,9 @@ def generate_game(challenge: str, difficulty: str, game_seed: int, split: str, o
 
 
 NOTHING_HAPPENS = "Nothing happens."
+# jericho's input buffer (jericho.INPUT_BUFFER_SIZE): it cuts a longer command, and raises UnicodeDecodeError when
+# the cut falls inside a multi-byte character
+MAX_COMMAND_BYTES = 198
 _BANNER_LINE = re.compile(r"^[\s_$\\|/<>]*$")
 _END_RE = re.compile(r"\*\*\* The End \*\*\*.*$", re.DOTALL)
 
@@ -137,6 +149,14 @@ def normalize_command(text: str) -> str:
     return " ".join(text.strip().lower().split())
 
 
+def interpreter_takes(cmd: str) -> bool:
+    """Whether the Z-machine interpreter takes `cmd` whole: non-empty, UTF-8 encodable, at most 198 bytes."""
+    try:
+        return 0 < len(cmd.encode("utf-8")) <= MAX_COMMAND_BYTES
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+
+
 class TextWorldEnv(TextWorldGameEnv):
     name = "textworld"
     family = "action"
@@ -146,8 +166,12 @@ class TextWorldEnv(TextWorldGameEnv):
 
     def __init__(self, challenges=("coin_collector", "treasure_hunter", "simple", "cooking"),
                  difficulties=("easy",), pool_size: Optional[dict] = None, cache_dir: Optional[str] = None,
-                 max_steps: Optional[int] = None, success_reward: Optional[float] = None):
+                 max_steps: Optional[int] = None, success_reward: Optional[float] = None,
+                 admissible_only: bool = True):
         super().__init__(max_steps=max_steps, success_reward=success_reward)
+        if not isinstance(admissible_only, bool):
+            raise ValueError(f"textworld: admissible_only must be true or false, got {admissible_only!r}")
+        self.admissible_only = admissible_only
         if isinstance(challenges, str):
             challenges = [challenges]
         if isinstance(difficulties, str):
@@ -230,21 +254,26 @@ class TextWorldEnv(TextWorldGameEnv):
 
     def _step(self, action: str):
         """Only an admissible command reaches the game (jericho hangs on control characters and raises on a
-        multi-byte character cut at 198 bytes). Anything else, the no-op (an empty command) included, is answered
-        "Nothing happens." without a game call (what ALFWorld's engine answers, and what the reference's agent sees
-        for an invalid step): nothing new is revealed, the game state and the admissible actions stay as they
-        were, info["invalid"] is set."""
+        multi-byte character cut at 198 bytes), unless admissible_only=False (module docstring). Anything else, the
+        no-op (an empty command) included, is answered "Nothing happens." without a game call (what ALFWorld's
+        engine answers, and what the reference's agent sees for an invalid step): nothing new is revealed, the game
+        state and the admissible actions stay as they were, info["invalid"] is set. A game that cannot decode or
+        answer a command raises EnvError (the trajectory ends as an env error), never UnicodeError."""
         cmd = normalize_command(action)
-        if cmd not in {normalize_command(a) for a in self._admissible}:  # "" is never admissible
+        admissible = cmd in {normalize_command(a) for a in self._admissible}  # "" is never admissible
+        if not (admissible if self.admissible_only else interpreter_takes(cmd)):
             extra = {"score": self._score, "max_score": self._max_score}
             return NOTHING_HAPPENS, NOTHING_HAPPENS, list(self._admissible), False, True, extra
-        with TEXTWORLD_LOCK:
-            state, score, done = self._tw_env.step(cmd)
+        try:
+            with TEXTWORLD_LOCK:
+                state, score, done = self._tw_env.step(cmd)
+        except UnicodeError as exc:
+            raise EnvError(f"textworld: the game could not take {cmd[:60]!r}: {type(exc).__name__}: {exc}") from exc
         self._score = score
         raw = state.feedback or ""
         obs = clean_observation(raw) or NOTHING_HAPPENS
         extra = {"score": score, "max_score": self._max_score, "done": bool(done or state.lost)}
-        return obs, raw, list(state.admissible_commands or []), bool(state.won), False, extra
+        return obs, raw, list(state.admissible_commands or []), bool(state.won), not admissible, extra
 
 
 def _cache_dir_for(override: Optional[str]) -> str:

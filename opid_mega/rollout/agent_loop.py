@@ -18,7 +18,8 @@ the extracted action, or its no-op when there is none (which reveals nothing: op
 policy writes is such a step, never an error. An env that raises (creation, reset, prompt, step) ends only its
 trajectory, with `Trajectory.error` and `Trajectory.env_error` set (logged; the trainer counts them in
 rollout/env_errors); so does a step that runs past `step_timeout_s` (EnvTimeout: the env is discarded without
-waiting for it — a process env's worker is killed — and a fresh one is built for the next run).
+waiting for it — a process env's worker is killed — and a fresh one is built for the next run). Resets run under
+the env's own deadline (make_env's `step_timeout_s`: TextWorld/ALFWorld in worker processes by default).
 A prompt longer than `max_prompt_tokens` is LEFT-truncated as in the reference (its last max_prompt_tokens token
 ids are kept, the skill insertion points shift with them; `prompt_text` stays the whole text); it never ends the
 trajectory.
@@ -280,7 +281,7 @@ class AgentLoop:
                 lv.traj.env_error = True
                 lv.done = True
                 log.warning("env error, trajectory %d (task %s) ended: %s", k, lv.traj.task_id, lv.traj.error)
-                self._drop_env(k)
+                self._drop_env(k, wait=not isinstance(e, EnvTimeout))
 
         list(self._pool.map(reset, range(n)))
 

@@ -15,7 +15,7 @@ from opid_mega.envs.base import EnvError
 
 @pytest.fixture(scope="module")
 def env(alfworld_cache):
-    e = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8)
+    e = make_env("alfworld", process=False, source="generated", cache_dir=alfworld_cache, pool_size=8)
     yield e
     e.close()
 
@@ -40,7 +40,7 @@ def test_planner_walkthrough_wins(env, task_type):
 
 
 def test_invalid_action_noop_and_max_steps(alfworld_cache):
-    e = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8, max_steps=4)
+    e = make_env("alfworld", process=False, source="generated", cache_dir=alfworld_cache, pool_size=8, max_steps=4)
     e.reset(e.tasks("train", 1, seed=0)[0])
     admissible = e.admissible_actions
     # No action tag: the no-op. It reveals nothing new: "Nothing happens.", as the reference's agent sees for it
@@ -134,7 +134,7 @@ def test_generation_reproducible_and_splits_disjoint(env):
 
 @pytest.mark.slow
 def test_many_generated_games_are_solvable(alfworld_cache):
-    e = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8)
+    e = make_env("alfworld", process=False, source="generated", cache_dir=alfworld_cache, pool_size=8)
     for task in e.task_pool("test"):
         e.reset(task)
         plan = e.walkthrough()
@@ -153,7 +153,7 @@ def test_real_data_layout(tmp_path, env):
             src = os.path.dirname(env.game_path(task))
             dst = tmp_path / "json_2.1.1" / split / f"{task.data['task_type']}-trial_{seed}" / "trial_T0"
             shutil.copytree(src, dst)
-    real = make_env("alfworld", data_path=str(tmp_path))
+    real = make_env("alfworld", process=False, data_path=str(tmp_path))
     tasks = real.tasks("train", 2, seed=0)
     assert len({t.id for t in tasks}) == 2 and all(t.id.startswith("alfworld/train/") for t in tasks)
     real.reset(real.tasks("test", 1, seed=0)[0])  # test -> valid_unseen
@@ -165,7 +165,7 @@ def test_real_data_layout(tmp_path, env):
 
 def test_missing_data_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "nothing"))
-    e = make_env("alfworld")
+    e = make_env("alfworld", process=False)
     with pytest.raises(EnvError, match="alfworld-download") as err:
         e.tasks("train", 1)
     assert "source='generated'" in str(err.value) and str(tmp_path / "nothing") in str(err.value)
@@ -174,12 +174,13 @@ def test_missing_data_error(tmp_path, monkeypatch):
 def test_threads(alfworld_cache):
     """4 envs load (serialised under a lock) and step (concurrently) from threads; stdout is left intact."""
     stdout = sys.stdout
-    pool = make_env("alfworld", source="generated", cache_dir=alfworld_cache, pool_size=8).task_pool("train")[:4]
+    pool = make_env("alfworld", process=False, source="generated", cache_dir=alfworld_cache,
+                    pool_size=8).task_pool("train")[:4]
     wins, errors = [], []
 
     def play(task):
         try:
-            e = make_env("alfworld", source="generated", cache_dir=alfworld_cache)
+            e = make_env("alfworld", process=False, source="generated", cache_dir=alfworld_cache)
             e.reset(task)
             for action in e.walkthrough():
                 _, r, done, info = e.step(action)

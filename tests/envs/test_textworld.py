@@ -11,7 +11,7 @@ from opid_mega.envs.textworld_env import DIFFICULTIES, clean_observation
 def _env(cache, **kw):
     kw.setdefault("challenges", ["coin_collector", "treasure_hunter"])
     kw.setdefault("pool_size", {"train": 2, "valid": 1, "test": 1})
-    return make_env("textworld", cache_dir=cache, **kw)
+    return make_env("textworld", process=False, cache_dir=cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_tasks_reproducible_and_disjoint(tmp_path):
     assert len(train) == 8 and not train & test
     assert {t.data["challenge"] for t in e.task_pool("train")} == set(DIFFICULTIES)
     with pytest.raises(ValueError, match="unknown challenge/difficulty"):
-        make_env("textworld", cache_dir=str(tmp_path), difficulties=["impossible"])
+        make_env("textworld", process=False, cache_dir=str(tmp_path), difficulties=["impossible"])
     with pytest.raises(ValueError, match="unknown split"):
         e.task_pool("dev")
 
@@ -123,6 +123,29 @@ def test_garbage_never_reaches_jericho(coin_env):
         _, reward, done, info = e.step(action)
     assert done and info["won"] and reward == 10.0
     assert sent == plan
+
+
+def test_free_commands_reach_the_game_but_not_what_jericho_cannot_take(textworld_cache):
+    """admissible_only=False: any command goes to the game's parser (flagged invalid unless admissible), except one
+    the interpreter cannot take whole: the long multi-byte action that makes jericho raise is an invalid step."""
+    e = _env(textworld_cache, challenges=["coin_collector"], pool_size={"train": 1}, admissible_only=False)
+    try:
+        task = e.task_pool("train")[0]
+        e.reset(task)
+        long = "a" + "é" * 150  # 301 UTF-8 bytes; jericho cuts at 198, inside a character
+        with pytest.raises(UnicodeDecodeError):
+            e._tw_env.step(long)  # the fault itself, straight into the game
+        for junk in (long, "\ud800", "x" * 199):
+            obs, reward, done, info = e.step(junk)
+            assert obs == "Nothing happens." and info["invalid"] and not done and reward == 0.0
+        obs, reward, done, info = e.step("dance")  # not admissible: the parser answers, the step is invalid
+        assert obs != "Nothing happens." and info["invalid"] and not done
+        for action in e.walkthrough():
+            _, reward, done, info = e.step(action)
+            assert not info["invalid"]
+        assert done and info["won"] and reward == 10.0
+    finally:
+        e.close()
 
 
 def test_fuzz_any_string_is_an_action(coin_env):

@@ -293,3 +293,47 @@ def test_env_step_timeout_config_reaches_the_loop(qwen_tokenizer):
     loop.close()
     with pytest.raises(ConfigError, match="env.step_timeout_s"):
         load_config(overrides=["env.step_timeout_s=0"])
+
+
+def test_a_stuck_textworld_step_ends_its_trajectory_and_the_slot_gets_a_fresh_worker(qwen_tokenizer, tmp_path):
+    """The real jericho hang ("\x00\x01\x02" sent to the game with admissible_only=False) in a TextWorld worker
+    process (the default): that trajectory ends at the deadline as a counted env error, the others win, the next
+    run plays the slot in a fresh worker, and no worker process is left after close."""
+
+    def _alive(pid) -> bool:  # exists and is not a zombie
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, TypeError):
+            return False
+
+    options = dict(challenges=["coin_collector"], pool_size={"train": 1, "valid": 1, "test": 1},
+                   cache_dir=str(tmp_path), admissible_only=False)
+    probe = make_env("textworld", process=False, **options)
+    tasks = probe.tasks("train", 1, seed=0)
+    probe.prepare(tasks)
+    policy = WalkthroughPolicy(probe, tasks)
+    probe.close()
+    calls = []
+
+    def respond(chat_text):
+        calls.append(1)  # the first response of the first run (trajectory 0, step 0) hangs the game
+        return "<think>t</think><action>\x00\x01\x02</action>" if len(calls) == 1 else policy(chat_text)
+
+    loop = AgentLoop(ScriptedEngine(qwen_tokenizer, respond), qwen_tokenizer, env_name="textworld",
+                     env_options=dict(options, step_timeout_s=5.0), history_length=2, num_workers=3,
+                     step_timeout_s=5.0)
+    t0 = time.monotonic()
+    batch = loop.run(tasks, group_size=3, sampling=_sampling(loop, max_new_tokens=128))
+    assert time.monotonic() - t0 < 5.0 + 30  # margin: 3 worker starts and the walkthroughs on a loaded machine
+    failed = [t for t in batch.trajectories if t.failed]
+    assert [t.traj_id for t in failed] == [0] and failed[0].env_error and failed[0].length == 0
+    assert failed[0].error.startswith("step 0: EnvTimeout: textworld: env worker process did not answer step(")
+    assert "within 5.0 s" in failed[0].error and batch.metrics()["num_failed"] == 1  # rollout/env_errors
+    assert all(t.won for t in batch.trajectories if not t.failed)
+    again = loop.run(tasks, group_size=3, sampling=_sampling(loop, max_new_tokens=128))
+    assert all(t.won and not t.failed for t in again.trajectories)  # slot 0 plays in a fresh worker
+    pids = [env.pid for env in loop._envs]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    loop.close()
+    assert not any(_alive(p) for p in pids)
