@@ -330,3 +330,41 @@ class PackedCoreAttention(MegatronModule):
             out = varlen_attention(query, key, value, params, softmax_scale=self.softmax_scale,
                                    dropout_p=self._dropout_p(), te_module=self.te_attention, dropout_rng=self._rng())
         return out.reshape(n, 1, self.heads * self.head_dim)
+_TE_CHILD = "te_attention"
+_NO_STATE = object()
+
+
+def _hide_te_extra_state(module, state_dict, prefix, local_metadata):
+    state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", None)
+
+
+def _route_te_extra_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    legacy = state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", _NO_STATE)
+    own = state_dict.get(f"{prefix}_extra_state", _NO_STATE)
+    state = own if own is not _NO_STATE else (legacy if legacy is not _NO_STATE else None)
+    state_dict[f"{prefix}_extra_state"] = state
+    if module.te_attention is not None:
+        state_dict[f"{prefix}{_TE_CHILD}._extra_state"] = state
+
+
+        # Checkpoint keys are the same with and without TE: ONE ``<prefix>_extra_state`` here, where megatron's TE
+        # GPTModel keeps its TEDotProductAttention's (``...core_attention._extra_state``); the TE child's own
+        # ``te_attention._extra_state`` never reaches a state dict. A state dict that lacks the key (written by a
+        # model without it) loads as None; one with the child's key (written before this mapping) loads that.
+        self._register_state_dict_hook(_hide_te_extra_state)
+        self._register_load_state_dict_pre_hook(_route_te_extra_state, with_module=True)
+
+    def get_extra_state(self):
+        """TE's attention state (fp8 metadata; None without TE): saved under this module's ``_extra_state``."""
+        return self.te_attention.get_extra_state() if self.te_attention is not None else None
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to keep here: the load pre-hook hands the state to the TE child (which ignores None)."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for key in [k for k in sd if k.startswith(f"{prefix}{_TE_CHILD}.")]:
+            del sd[key]
+        return sd
+

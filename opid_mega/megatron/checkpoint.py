@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from opid_mega.megatron import extra_state
+
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
 
@@ -183,11 +185,13 @@ def load(ckpt_dir: str, chunks, optimizer=None, step: Optional[int] = None) -> t
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (missing latest_step)")
     path = os.path.join(ckpt_dir, f"step_{step}")
     sd = _sharded_state(chunks, optimizer, is_loading=True)
+    # extra states the checkpoint lacks (written without TE's, or before PackedCoreAttention had its own) load as None
+    absent = {i: extra_state.drop_absent(sd[f"model{i}"], path) for i in range(len(chunks))}
     sd["step"] = step
     sd["extra"] = {}
     loaded = dist_checkpointing.load(sd, path)
     for i, c in enumerate(chunks):
-        _unwrap(c).load_state_dict(loaded[f"model{i}"])
+        _unwrap(c).load_state_dict(extra_state.fill_none(loaded[f"model{i}"], absent[i]))
     if optimizer is not None:
         with torch.no_grad():  # the distributed optimizer's fp32 main params are views of the model's parameters
             optimizer.load_state_dict(loaded["optimizer"])
@@ -248,6 +252,7 @@ def load_model(path: str, chunks, step: Optional[int] = None) -> str:
 
     ckpt = checkpoint_dir(path, step)
     sd = model_sharded_state(chunks)
+    no_extra = {key: extra_state.drop_absent(sd[key], ckpt) for key in sd}  # None for extra states it lacks
     try:
         loaded, _, absent = dist_checkpointing.load(sd, ckpt, strict=StrictHandling.RETURN_UNEXPECTED)
     except (CheckpointingException, CheckpointException) as e:  # e.g. "Global shape mismatch ... for key ..."
@@ -257,7 +262,7 @@ def load_model(path: str, chunks, step: Optional[int] = None) -> str:
         names = sorted(absent)
         raise ValueError(f"{ckpt} lacks {len(names)} tensor(s) the model needs, e.g. {', '.join(names[:4])}")
     for key, c in zip(sd, chunks):
-        _unwrap(c).load_state_dict(loaded[key])
+        _unwrap(c).load_state_dict(extra_state.fill_none(loaded[key], no_extra[key]))
     return ckpt
 
 
