@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ._dispatch import load_triton_module, resolve_backend
+from .logprob import _fp32_main_grad
 
 DEFAULT_CHUNK = 4096
 OUTPUT_KEYS = ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill")
@@ -231,12 +232,12 @@ def grad_logits_orig(a: Optional[torch.Tensor], b: torch.Tensor, start: int, tar
 
 
 def _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf, g_kr, chunk, need_h,
-                    need_w, temperature):
+                    need_w, temperature, main_grad=None):
     n, v = h_orig.shape[0], weight.shape[0]
     need_a = g_kf is not None or g_kr is not None
     hs, ho = h_skill.float(), h_orig.float()
     grad_h = torch.zeros(n, h_orig.shape[1], device=h_orig.device) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    grad_w = torch.empty_like(weight) if need_w and main_grad is None else None
     for start in range(0, v, chunk):
         end = min(start + chunk, v)
         w32 = weight[start:end].float()
@@ -251,7 +252,9 @@ def _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os,
             grad.div_(temperature)
         if need_h:
             grad_h.addmm_(grad, w32)
-        if need_w:
+        if need_w and main_grad is not None:  # fp32 accumulation into megatron's main_grad (logprob._fp32_main_grad)
+            main_grad[start:end].addmm_(grad.t(), ho)
+        elif need_w:
             if weight.dtype == torch.float32:
                 torch.mm(grad.t(), ho, out=grad_w[start:end])
             else:
@@ -266,7 +269,7 @@ def _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os,
 class _DualDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_skill, h_orig, weight, targets, vocab_start, tp_group, topk, backend, chunk, reduce_grad,
-                temperature):
+                temperature, main_grad=None):
         targets_local = targets - vocab_start
         if weight.shape[0] == 0:  # this rank's shard is all vocabulary padding
             backend = "torch"
@@ -279,6 +282,7 @@ class _DualDivergence(torch.autograd.Function):
         ctx.save_for_backward(h_skill, h_orig, weight, targets_local, out["lse_s"], out["lse_o"], out["kl_orig_skill"])
         ctx.tp_group, ctx.backend, ctx.chunk, ctx.reduce_grad, ctx.temperature = (tp_group, backend, chunk,
                                                                                    reduce_grad, temperature)
+        ctx.main_grad = main_grad
         ctx.set_materialize_grads(False)
         n = h_orig.shape[0]
         if topk > 0:
@@ -293,17 +297,20 @@ class _DualDivergence(torch.autograd.Function):
     def backward(ctx, _g_ls, g_lo, g_kf, g_kr, *_g_top):
         h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        none = (None,) * 11
+        none = (None,) * 12
         if (g_lo is None and g_kf is None and g_kr is None) or not (need_h or need_w):
             return none
         g_lo, g_kf, g_kr = (g.float().contiguous() if g is not None else None for g in (g_lo, g_kf, g_kr))
+        main = ctx.main_grad if need_w else None
         if ctx.backend == "triton":
             tri = load_triton_module("dual_context_divergence_triton", h_orig)
             grad_h, grad_w = tri.backward(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf,
-                                          g_kr, need_h, need_w, ctx.temperature)
+                                          g_kr, need_h, need_w, ctx.temperature, main_grad=main)
         else:
             grad_h, grad_w = _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf,
-                                             g_kr, ctx.chunk, need_h, need_w, ctx.temperature)
+                                             g_kr, ctx.chunk, need_h, need_w, ctx.temperature, main_grad=main)
+        if main is not None:  # added to main_grad in fp32; autograd's share is zero
+            grad_w = torch.zeros_like(weight)
         if grad_h is not None:
             if ctx.reduce_grad and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
@@ -369,7 +376,7 @@ def dual_context_divergence(h_skill: torch.Tensor, h_orig: torch.Tensor, weight:
     tg = targets.reshape(-1).long()
     chosen = resolve_backend(backend, h_orig, _NAME)
     res = _DualDivergence.apply(hs, ho, w, tg, int(vocab_start), tp_group, int(topk), chosen, int(chunk_size),
-                                bool(reduce_hidden_grad), temperature)
+                                bool(reduce_hidden_grad), temperature, _fp32_main_grad(weight, w.shape[0]))
     out = {k: res[i].reshape(lead) for i, k in enumerate(OUTPUT_KEYS)}
     if topk > 0:
         out["topk_ids"] = res[4].reshape(*lead, topk)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .logprob_triton import _mm_fp32
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # tile sizes; tests shrink them (module attributes) to exercise multi-tile paths at small shapes
@@ -162,11 +164,11 @@ def _fwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, stats_ptr, topv_ptr, topi_ptr, t
 
 @triton.jit
 def _bwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, lses_ptr, lseo_ptr, klr_ptr, glo_ptr, gkf_ptr, gkr_ptr, g_ptr,
-                N, C, HD, stride_hs, stride_ho, stride_w, stride_g, c0, temperature,
+                glow_ptr, N, C, HD, stride_hs, stride_ho, stride_w, stride_g, c0, temperature,
                 HAS_GLO: tl.constexpr, HAS_GKF: tl.constexpr, HAS_GKR: tl.constexpr, NEED_S: tl.constexpr,
                 SCALED: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,8 +202,11 @@ def _bwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, lses_ptr, lseo_ptr, klr_ptr, glo
         grad += glo[:, None] * (onehot - po)
     if SCALED:
         grad = grad / temperature
-    tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], grad.to(g_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    hi = grad.to(g_ptr.dtype.element_ty)
+    tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], hi, mask=row_mask[:, None] & col_mask[None, :])
+    if SPLIT:  # hi + lo = the fp32 tile to ~2^-16 (logprob_triton: fp32 main_grad accumulation)
+        tl.store(glow_ptr + rows[:, None] * stride_g + lcols[None, :], (grad - hi.to(tl.float32)).to(
+            glow_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -261,38 +266,45 @@ def local_partials(h_skill, h_orig, weight, targets_local, topk: int, temperatur
     return parts
 
 
-def backward(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf, g_kr, need_h, need_w,
-             temperature: float = 1.0):
+def backward(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo_rows, g_kf, g_kr, need_h, need_w,
+             temperature: float = 1.0, main_grad=None):
+    """(grad_h fp32, grad_w); with ``main_grad`` the weight gradient is added to it in fp32 (grad_w None)."""
     _check(h_skill, h_orig, weight)
     n, hd = h_orig.shape
     v = weight.shape[0]
     dev = h_orig.device
     grad_h = torch.zeros(n, hd, device=dev, dtype=torch.float32) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    grad_w = torch.empty_like(weight) if need_w and main_grad is None else None
     if n == 0:
-        if need_w:
+        if grad_w is not None:
             grad_w.zero_()
         return grad_h, grad_w
     chunk = min(v, BWD_CHUNK)
     g = torch.empty(n, chunk, device=dev, dtype=h_orig.dtype)
+    split = main_grad is not None and need_w and h_orig.dtype != torch.float32
+    g_lo = torch.empty_like(g) if split else g
     dummy = lse_o  # any float32 tensor for unused pointers
     tg = targets_local.contiguous()
     for c0 in range(0, v, chunk):
         c = min(chunk, v - c0)
-        gc = g[:, :c]
+        gc, glc = g[:, :c], g_lo[:, :c]
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(c, BLOCK_V))
         _bwd_kernel[grid](
             h_skill, h_orig, weight, tg, lse_s, lse_o, kl_os,
-            g_lo if g_lo is not None else dummy, g_kf if g_kf is not None else dummy,
-            g_kr if g_kr is not None else dummy, gc, n, c, hd, h_skill.stride(0), h_orig.stride(0), weight.stride(0),
-            g.stride(0), c0, float(temperature), HAS_GLO=g_lo is not None, HAS_GKF=g_kf is not None,
-            HAS_GKR=g_kr is not None,
+            g_lo_rows if g_lo_rows is not None else dummy, g_kf if g_kf is not None else dummy,
+            g_kr if g_kr is not None else dummy, gc, glc, n, c, hd, h_skill.stride(0), h_orig.stride(0),
+            weight.stride(0), g.stride(0), c0, float(temperature), HAS_GLO=g_lo_rows is not None,
+            HAS_GKF=g_kf is not None, HAS_GKR=g_kr is not None,
             NEED_S=g_kf is not None or g_kr is not None, SCALED=float(temperature) != 1.0, BLOCK_N=BLOCK_N,
             BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, PRECISION=_precision(h_orig.dtype), UPCAST=_upcast(h_orig.dtype),
-            num_warps=NUM_WARPS)
+            SPLIT=split, num_warps=NUM_WARPS)
         w_c = weight[c0:c0 + c]
         if need_h:
-            grad_h += (gc @ w_c).float()
-        if need_w:
+            grad_h += _mm_fp32(gc, w_c)
+        if need_w and main_grad is not None:
+            main_grad[c0:c0 + c] += _mm_fp32(gc.t(), h_orig)
+            if split:
+                main_grad[c0:c0 + c] += _mm_fp32(glc.t(), h_orig)
+        elif need_w:
             grad_w[c0:c0 + c] = gc.t() @ h_orig
     return grad_h, grad_w

@@ -142,11 +142,13 @@ def _grad_logits_chunk(logits: torch.Tensor, start: int, targets_local: torch.Te
 
 
 def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, chunk, need_h, need_w,
-                    temperature: float = 1.0):
+                    temperature: float = 1.0, main_grad=None):
+    """(grad_hidden fp32, grad_weight): with ``main_grad`` (fp32 [V_local, H]) the weight gradient is ADDED to it
+    in fp32 and grad_weight is None (see :func:`_fp32_main_grad`)."""
     n, v = hidden.shape[0], weight.shape[0]
     h32 = hidden.float()
     grad_h = torch.zeros(n, hidden.shape[1], device=hidden.device) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    grad_w = torch.empty_like(weight) if need_w and main_grad is None else None
     for start in range(0, v, chunk):
         end = min(start + chunk, v)
         w32 = weight[start:end].float()
@@ -158,12 +160,31 @@ def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, 
             grad.div_(temperature)
         if need_h:
             grad_h.addmm_(grad, w32)
-        if need_w:
+        if need_w and main_grad is not None:
+            main_grad[start:end].addmm_(grad.t(), h32)
+        elif need_w:
             if weight.dtype == torch.float32:
                 torch.mm(grad.t(), h32, out=grad_w[start:end])
             else:
                 grad_w[start:end] = (grad.t() @ h32).to(weight.dtype)
     return grad_h, grad_w
+
+
+def _fp32_main_grad(weight: torch.Tensor, rows: int):
+    """The fp32 gradient buffer to accumulate the weight gradient into, or None.
+
+    megatron-core's DDP gives every parameter a ``main_grad`` (fp32 with ``grad_reduce_in_fp32``) and, after the
+    backward, adds ``param.grad`` into it. A bf16/fp16 weight's gradient returned by autograd is rounded to the
+    weight's dtype first (per micro-batch). As megatron's ``gradient_accumulation_fusion`` does for its linear
+    layers, the head's weight gradient goes straight into ``main_grad`` in fp32 instead; autograd then gets a zero
+    gradient (a zero, not megatron's uninitialised dummy, and ``grad_added_to_main_grad`` left alone: whatever
+    else adds to the same parameter -- the tied input embedding, the divergence head -- still reaches main_grad
+    through DDP's hook, exactly). ``rows``: the rows in use (vocabulary padding is left out)."""
+    main = getattr(weight, "main_grad", None)
+    if (main is None or weight.dtype == torch.float32 or main.dtype != torch.float32
+            or main.shape != weight.shape or not weight.requires_grad):
+        return None
+    return main[:rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,7 +193,7 @@ def _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, 
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy, backend, chunk, reduce_grad,
-                temperature):
+                temperature, main_grad=None):
         targets_local = targets - vocab_start
         if weight.shape[0] == 0:  # this rank's shard is all vocabulary padding
             backend = "torch"
@@ -184,7 +205,7 @@ class _FusedLogprobs(torch.autograd.Function):
         logprob, entropy, log_z = combine_partials(m, s, u, t, found, tp_group)
         ctx.save_for_backward(hidden, weight, targets_local, log_z, entropy if with_entropy else None)
         ctx.tp_group, ctx.backend, ctx.chunk, ctx.reduce_grad = tp_group, backend, chunk, reduce_grad
-        ctx.with_entropy, ctx.temperature = with_entropy, temperature
+        ctx.with_entropy, ctx.temperature, ctx.main_grad = with_entropy, temperature, main_grad
         ctx.set_materialize_grads(False)
         if with_entropy:
             return logprob, entropy
@@ -199,21 +220,24 @@ class _FusedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 10
+            return (None,) * 11
         g_lp = g_lp.float().contiguous() if g_lp is not None else None
         g_ent = g_ent.float().contiguous() if g_ent is not None else None
+        main = ctx.main_grad if need_w else None
         if ctx.backend == "triton":
             tri = load_triton_module("logprob_triton", hidden)
             grad_h, grad_w = tri.backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w,
-                                          ctx.temperature)
+                                          ctx.temperature, main_grad=main)
         else:
             grad_h, grad_w = _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, ctx.chunk,
-                                             need_h, need_w, ctx.temperature)
+                                             need_h, need_w, ctx.temperature, main_grad=main)
+        if main is not None:  # accumulated into main_grad in fp32: autograd's share is zero (see _fp32_main_grad)
+            grad_w = torch.zeros_like(weight)
         if grad_h is not None:
             if ctx.reduce_grad and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
@@ -239,6 +263,9 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             vocabulary padding) are left out of the softmax and get zero gradient. None: every row is real.
         temperature: T > 0; the log-probs (and entropy) are those of softmax(logits / T), the distribution a sampler
             at temperature T draws from. 1.0 (default) skips the division: bit-identical to the plain softmax.
+
+    A bf16/fp16 ``weight`` with an fp32 ``main_grad`` (megatron-core DDP) gets its gradient accumulated into
+    ``main_grad`` in fp32 by the backward (autograd sees zero for it; :func:`_fp32_main_grad`).
 
     Returns float32 log-probs with targets' shape, or (logprobs, entropy). Differentiable w.r.t. hidden and weight.
     """
@@ -272,7 +299,8 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     tg = targets.reshape(-1).long()
     chosen = resolve_backend(backend, hidden, "fused_logprobs")
     lp, ent = _FusedLogprobs.apply(h2, w, tg, int(vocab_start), tp_group, bool(return_entropy), chosen,
-                                   int(chunk_size), bool(reduce_hidden_grad), temperature)
+                                   int(chunk_size), bool(reduce_hidden_grad), temperature,
+                                   _fp32_main_grad(weight, w.shape[0]))
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)

@@ -8,7 +8,10 @@ when N is small; the per-split partials ([splits, N] each) are merged in torch.
 
 Backward (`backward`): per vocabulary chunk, a Triton kernel recomputes the logits tile and writes
 d loss / d logits for the chunk ([N, chunk] in the input dtype); two cuBLAS matmuls turn it into
-grad_hidden (accumulated in fp32) and the chunk's grad_weight rows.
+grad_hidden (accumulated in fp32) and the chunk's grad_weight rows -- for a bf16/fp16 weight with an fp32
+``main_grad`` (megatron DDP) computed with fp32 output and added to main_grad (megatron's gradient accumulation
+fusion), the tile then written as two half-precision parts (hi + lo, ~16 mantissa bits) and multiplied twice, so
+the weight gradient is as accurate as an fp32 tile would make it (one more cuBLAS matmul per chunk).
 
 Temperature T: with SCALED (constexpr, T != 1) every logits tile is divided by T in fp32 right after the matmul, and
 the backward's d loss / d logits tile is divided by T (chain rule of l / T); T = 1 compiles without either op.
@@ -94,11 +97,11 @@ def _fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, t_ptr,
 
 
 @triton.jit
-def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, gent_ptr, g_ptr,
+def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, gent_ptr, g_ptr, glo_ptr,
                             N, C, HD, stride_h, stride_w, stride_g, c0, temperature,
                             HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,8 +128,11 @@ def _bwd_grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, logz_ptr, ent_ptr, glp_ptr, g
         grad += glp[:, None] * (onehot - p)
     if SCALED:
         grad = grad / temperature
-    tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], grad.to(g_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    hi = grad.to(g_ptr.dtype.element_ty)
+    tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], hi, mask=row_mask[:, None] & col_mask[None, :])
+    if SPLIT:  # the rounding error of the half-precision tile, itself in half precision: hi + lo = grad to ~2^-16
+        tl.store(glo_ptr + rows[:, None] * stride_g + lcols[None, :], (grad - hi.to(tl.float32)).to(
+            glo_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -183,35 +189,58 @@ def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: to
     return big_m, s_tot, u_tot, t.sum(0), found
 
 
-def backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w, temperature: float = 1.0):
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated AND returned in fp32 (what megatron's wgrad_gemm_accum_fp32 computes): cuBLAS with
+    half-precision inputs and an fp32 output where torch has it (``out_dtype``, CUDA), else on fp32 copies."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm(out_dtype=) for these dtypes
+            pass
+    return a.float() @ b.float()
+
+
+def backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w, temperature: float = 1.0,
+             main_grad=None):
+    """(grad_hidden fp32, grad_weight). With ``main_grad`` (fp32 [V_local, H], logprob._fp32_main_grad) each chunk's
+    weight gradient is computed with fp32 accumulation and output and ADDED to it; grad_weight is then None."""
     _check(hidden, weight)
     n, hd = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     grad_h = torch.zeros(n, hd, device=dev, dtype=torch.float32) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    grad_w = torch.empty_like(weight) if need_w and main_grad is None else None
     if n == 0:
-        if need_w:
+        if grad_w is not None:
             grad_w.zero_()
         return grad_h, grad_w
     chunk = min(v, BWD_CHUNK)
     g = torch.empty(n, chunk, device=dev, dtype=hidden.dtype)
+    split = main_grad is not None and need_w and hidden.dtype != torch.float32
+    g_lo = torch.empty_like(g) if split else g
     dummy = log_z  # any float32 tensor for unused pointers
     tg = targets_local.contiguous()
     for c0 in range(0, v, chunk):
         c = min(chunk, v - c0)
-        gc = g[:, :c]
+        gc, glc = g[:, :c], g_lo[:, :c]
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(c, BLOCK_V))
         _bwd_grad_logits_kernel[grid](
             hidden, weight, tg, log_z, entropy if g_ent is not None else dummy,
-            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, gc,
+            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, gc, glc,
             n, c, hd, hidden.stride(0), weight.stride(0), g.stride(0), c0, float(temperature),
             HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALED=float(temperature) != 1.0,
             BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
-            BLOCK_H=BLOCK_H, PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden.dtype), num_warps=NUM_WARPS)
+            BLOCK_H=BLOCK_H, PRECISION=_precision(hidden.dtype), UPCAST=_upcast(hidden.dtype), SPLIT=split,
+            num_warps=NUM_WARPS)
         w_c = weight[c0:c0 + c]
         if need_h:
-            grad_h += (gc @ w_c).float()
-        if need_w:
+            grad_h += _mm_fp32(gc, w_c)
+        if need_w and main_grad is not None:
+            main_grad[c0:c0 + c] += _mm_fp32(gc.t(), hidden)
+            if split:
+                main_grad[c0:c0 + c] += _mm_fp32(glc.t(), hidden)
+        elif need_w:
             grad_w[c0:c0 + c] = gc.t() @ hidden
     return grad_h, grad_w
