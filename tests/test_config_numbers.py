@@ -39,6 +39,7 @@ def numeric_keys() -> list[tuple[str, type]]:
 KEYS = numeric_keys()
 VALUES = [0, -1, 1e30, math.inf, -math.inf, math.nan, "x", 10**5000, 2**31, True]
 TEXTS = ["0", "-1", "1.0e30", "1e30", ".inf", "-.inf", ".nan", "x", "1" * 5000, "[1]"]
+TRAIN_TEXTS = ("-1", ".inf", ".nan", "x")
 
 
 def test_discovery_finds_the_numeric_keys():
@@ -89,7 +90,7 @@ def test_step_timeout_inf_is_refused():
 
 def test_through_python_m_opid_mega_config_and_opid_train(capsys, monkeypatch):
     """Every key x every hostile text through the CLI entry points in this process (a traceback fails the test):
-    exit 2 with one line on stderr, or exit 0 with the YAML. opid-train gets every value the config refused."""
+    exit 2 with one line on stderr, or exit 0 with the YAML. opid-train gets the refused values of TRAIN_TEXTS."""
     from opid_mega import cli
 
     monkeypatch.setattr(cli, "_quiet", lambda: None)  # no thread / warning settings changed in the test process
@@ -106,6 +107,8 @@ def test_through_python_m_opid_mega_config_and_opid_train(capsys, monkeypatch):
             assert len(lines) == 1 and lines[0].startswith("config error: "), (key, text, err)
             _one_line_naming(lines[0], key)
             refused += 1
+            if text not in TRAIN_TEXTS:  # opid-train reads the config the same way: a few texts per key suffice
+                continue
             try:
                 code = cli.train_main(["--config", TINY, "--run-dir", "/nonexistent/never-created", f"{key}={text}"])
             except SystemExit as ex:
