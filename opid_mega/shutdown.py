@@ -102,11 +102,27 @@ def _kill_groups(pgids, timeout_s: float) -> None:
 
 
 def _group_has_processes(pgid: int) -> bool:
+    """A live (not zombie: a stopped leader stays one until its parent reaps it) process is in group `pgid`."""
     try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+        names = os.listdir("/proc")
+    except OSError:
+        names = None
+    if names is None:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for d in names:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def stop_all(timeout_s: float = 5.0) -> list[int]:
@@ -121,12 +137,59 @@ def stop_all(timeout_s: float = 5.0) -> list[int]:
     return pgids
 
 
+def _descendants(root: int) -> list[int]:
+    """The pids of every live descendant of `root` (Linux /proc; elsewhere multiprocessing's children)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        import multiprocessing
+
+        return [p.pid for p in multiprocessing.active_children()]
+    parent = {}
+    for d in names:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                parent[int(d)] = int(fields[1])
+    out, frontier = [], [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def stop_children(timeout_s: float = 2.0) -> None:
+    """SIGTERM every descendant process still running (env worker processes, checkpoint writers: what the
+    interpreter's exit handlers would have stopped), SIGKILL what is left after `timeout_s`."""
+    kids = _descendants(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in kids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.monotonic() + (timeout_s if sig == signal.SIGTERM else 0.0)
+        while time.monotonic() < end and set(kids) & set(_descendants(os.getpid())):
+            time.sleep(0.05)
+        kids = [k for k in kids if k in set(_descendants(os.getpid()))]
+        if not kids:
+            return
+
+
 def exit_now(code: int, timeout_s: float = 5.0) -> None:
-    """Stop every registered group (`stop_all(timeout_s)`), flush stdout/stderr and leave with `code` at once
-    (os._exit: threads still waiting on a socket or a collective would otherwise hold the interpreter's exit)."""
+    """Stop every registered group (`stop_all(timeout_s)`) and every other child process (`stop_children`), flush
+    stdout/stderr and leave with `code` at once (os._exit: threads still waiting on a socket or a collective would
+    otherwise hold the interpreter's exit)."""
     _exiting.set()
     try:
         stop_all(timeout_s)
+        stop_children(min(timeout_s, 2.0))
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

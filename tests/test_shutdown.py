@@ -15,8 +15,8 @@ import pytest
 
 from opid_mega import shutdown
 
-# The child: registers a process group (`sleep`, its own session, like a launched server), installs the handlers,
-# prints READY, then waits in the main thread. BLOCK=1: SIGTERM/SIGHUP blocked in the main thread only, so the signal
+# The child: registers a process group (`sleep`, its own session, like a launched server), starts a plain child
+# process (like an env worker: in the child's own process group), installs the handlers, prints READY, then waits in the main thread. BLOCK=1: SIGTERM/SIGHUP blocked in the main thread only, so the signal
 # lands on another thread and the main thread stays in its sleep (as in a gloo collective): only the watchdog can end
 # it. Otherwise the interrupt is raised in the main thread, which reports and exits like opid-train.
 CHILD = textwrap.dedent("""
@@ -25,11 +25,12 @@ CHILD = textwrap.dedent("""
     group = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     shutdown.register_group(group.pid, "a server")
+    plain = subprocess.Popen(["sleep", "601"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     shutdown.install_signal_handlers("child", grace_s=float(os.environ["GRACE"]))
     if os.environ.get("BLOCK") == "1":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
     try:
-        print("READY", group.pid, flush=True)
+        print("READY", group.pid, plain.pid, flush=True)
         time.sleep(60)
     except KeyboardInterrupt as e:
         signum = shutdown.signal_of(e)
@@ -53,22 +54,22 @@ def _child(tmp_path, block: bool, grace: float = 2.0, preexec=None):
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     line = proc.stdout.readline().split()
     assert line and line[0] == "READY", proc.communicate(timeout=30)
-    return proc, int(line[1])
+    return proc, int(line[1]), int(line[2])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_takes_the_interrupt_path_and_stops_the_groups(tmp_path, sig):
-    proc, group = _child(tmp_path, block=False, grace=30.0)
+    proc, group, plain = _child(tmp_path, block=False, grace=30.0)
     t0 = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig and time.monotonic() - t0 < 15
     assert err.strip().splitlines() == [f"child: stopped by {signal.Signals(sig).name}"]
-    assert not _alive(group)
+    assert not _alive(group) and not _alive(plain)
 
 
 def test_watchdog_ends_a_process_whose_main_thread_is_blocked(tmp_path):
-    proc, group = _child(tmp_path, block=True, grace=2.0)
+    proc, group, plain = _child(tmp_path, block=True, grace=2.0)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -76,19 +77,19 @@ def test_watchdog_ends_a_process_whose_main_thread_is_blocked(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and 2.0 <= elapsed < 2.0 + 15
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("child: SIGTERM: still running 2 s after the signal"), lines
-    assert not _alive(group)
+    assert not _alive(group) and not _alive(plain)
 
 
 def test_an_inherited_ignored_sighup_stays_ignored(tmp_path):
     """nohup: a SIGHUP the run was started to ignore does not stop it."""
-    proc, group = _child(tmp_path, block=False, grace=30.0,
-                         preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    proc, group, plain = _child(tmp_path, block=False, grace=30.0,
+                                preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     proc.send_signal(signal.SIGHUP)
     time.sleep(1.0)
     assert proc.poll() is None and _alive(group)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM and not _alive(group)
+    assert proc.returncode == 128 + signal.SIGTERM and not _alive(group) and not _alive(plain)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
