@@ -109,9 +109,12 @@ def first_run_notice(cfg) -> str:
             parts.append(f"the {cfg.model.builtin} model (~{est:.0f} s)")
             seconds += est
     try:
-        from opid_mega.trainer import env_factory
+        from opid_mega.envs import make_env
 
-        env = env_factory(cfg)()
+        # in this process (no env worker): the notice reads the task pool only, and must not delay rank 0's start
+        # past the other ranks' rendezvous timeout (deploy.train_timeout_s)
+        opts = {**dict(cfg.env.options), "process": False}
+        env = make_env(cfg.env.name, max_steps=cfg.env.max_steps, step_timeout_s=cfg.env.step_timeout_s, **opts)
         unprepared = getattr(env, "unprepared", None)
         if unprepared is not None and hasattr(env, "task_pool"):
             splits = {cfg.env.train_split, cfg.env.eval_split}

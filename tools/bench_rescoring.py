@@ -69,8 +69,9 @@ def real_prompt_pieces(step: int, seed: int = 0, env_name: str = "alfworld"):
         obs = new_obs
         if done:
             break
+    task_description = env.task_description  # read before close: a worker-process env is gone after it
     env.close()
-    analysis = RuleAnalyzer().analyze_one(TrajectoryView(task=env.task_description, won=True, steps=views or [
+    analysis = RuleAnalyzer().analyze_one(TrajectoryView(task=task_description, won=True, steps=views or [
         StepView(obs, "<action>look</action>", 0.0, "look")]))
     tok = load_tokenizer(qwen_tokenizer_dir())
     marker = "\x00PROMPT\x00"

@@ -259,6 +259,24 @@ def as_fork_params(params: PackedSeqParams) -> ForkPackedSeqParams:
     return params._opid_fork_params
 
 
+_TE_CHILD = "te_attention"
+_NO_STATE = object()
+
+
+def _hide_te_extra_state(module, state_dict, prefix, local_metadata):
+    state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", None)
+
+
+def _route_te_extra_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    legacy = state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", _NO_STATE)
+    own = state_dict.get(f"{prefix}_extra_state", _NO_STATE)
+    state = own if own is not _NO_STATE else (legacy if legacy is not _NO_STATE else None)
+    state_dict[f"{prefix}_extra_state"] = state
+    if module.te_attention is not None:
+        state_dict[f"{prefix}{_TE_CHILD}._extra_state"] = state
+
+
 class PackedCoreAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` (same constructor) that understands packed layouts
     (:class:`ForkPackedSeqParams`, or a plain thd ``PackedSeqParams``)."""
@@ -287,6 +305,12 @@ class PackedCoreAttention(MegatronModule):
                                                       attention_dropout=attention_dropout,
                                                       softmax_scale=self.softmax_scale, cp_comm_type=cp_comm_type,
                                                       pg_collection=pg_collection)
+        # Checkpoint keys are the same with and without TE: ONE ``<prefix>_extra_state`` here, where megatron's TE
+        # GPTModel keeps its TEDotProductAttention's (``...core_attention._extra_state``); the TE child's own
+        # ``te_attention._extra_state`` never reaches a state dict. A state dict that lacks the key (written by a
+        # model without it) loads as None; one with the child's key (written before this mapping) loads that.
+        self._register_state_dict_hook(_hide_te_extra_state)
+        self._register_load_state_dict_pre_hook(_route_te_extra_state, with_module=True)
 
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
@@ -330,30 +354,6 @@ class PackedCoreAttention(MegatronModule):
             out = varlen_attention(query, key, value, params, softmax_scale=self.softmax_scale,
                                    dropout_p=self._dropout_p(), te_module=self.te_attention, dropout_rng=self._rng())
         return out.reshape(n, 1, self.heads * self.head_dim)
-_TE_CHILD = "te_attention"
-_NO_STATE = object()
-
-
-def _hide_te_extra_state(module, state_dict, prefix, local_metadata):
-    state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", None)
-
-
-def _route_te_extra_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                          error_msgs):
-    legacy = state_dict.pop(f"{prefix}{_TE_CHILD}._extra_state", _NO_STATE)
-    own = state_dict.get(f"{prefix}_extra_state", _NO_STATE)
-    state = own if own is not _NO_STATE else (legacy if legacy is not _NO_STATE else None)
-    state_dict[f"{prefix}_extra_state"] = state
-    if module.te_attention is not None:
-        state_dict[f"{prefix}{_TE_CHILD}._extra_state"] = state
-
-
-        # Checkpoint keys are the same with and without TE: ONE ``<prefix>_extra_state`` here, where megatron's TE
-        # GPTModel keeps its TEDotProductAttention's (``...core_attention._extra_state``); the TE child's own
-        # ``te_attention._extra_state`` never reaches a state dict. A state dict that lacks the key (written by a
-        # model without it) loads as None; one with the child's key (written before this mapping) loads that.
-        self._register_state_dict_hook(_hide_te_extra_state)
-        self._register_load_state_dict_pre_hook(_route_te_extra_state, with_module=True)
 
     def get_extra_state(self):
         """TE's attention state (fp8 metadata; None without TE): saved under this module's ``_extra_state``."""
@@ -367,4 +367,3 @@ def _route_te_extra_state(module, state_dict, prefix, local_metadata, strict, mi
         for key in [k for k in sd if k.startswith(f"{prefix}{_TE_CHILD}.")]:
             del sd[key]
         return sd
-

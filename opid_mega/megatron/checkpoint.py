@@ -116,8 +116,23 @@ def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict]
         return _save(ckpt_dir, step, chunks, optimizer, extra, keep)
 
 
+def _fork_results_queue() -> None:
+    """megatron's FileSystemWriterAsync collects its writers' results on a queue from a *spawn*-context Manager,
+    created on a process's first save: a fresh interpreter that re-imports the main module (opid-train: torch,
+    megatron), ~4 s on the 2-core CI machine, inside the save's collectives (a rank that is that much later than
+    the others trips deploy.train_timeout_s). A fork-context Manager gives the same queue proxy in milliseconds;
+    megatron forks its writer processes anyway."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # megatron's lazily created global
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
 def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], keep: int) -> str:
     path = os.path.join(ckpt_dir, f"step_{step}")
+    _fork_results_queue()
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)

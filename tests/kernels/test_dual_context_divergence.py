@@ -298,10 +298,13 @@ for kind, arch, dt, k in JOBS:
         fn = DT._fwd_kernel
     else:
         sig = dict(h, lses_ptr="*fp32", lseo_ptr="*fp32", klr_ptr="*fp32", glo_ptr="*fp32", gkf_ptr="*fp32",
-                   gkr_ptr="*fp32", g_ptr="*" + dt, N="i32", C="i32", HD="i32", stride_hs="i32", stride_ho="i32",
+                   gkr_ptr="*fp32", g_ptr="*" + dt, glow_ptr="*" + dt, N="i32", C="i32", HD="i32", stride_hs="i32", stride_ho="i32",
                    stride_w="i32", stride_g="i32", c0="i32", temperature="fp32", HAS_GLO="constexpr",
-                   HAS_GKF="constexpr", HAS_GKR="constexpr", NEED_S="constexpr", SCALED="constexpr")
-        consts = dict(blocks, HAS_GLO=True, HAS_GKF=True, HAS_GKR=True, NEED_S=True, SCALED=True)
+                   HAS_GKF="constexpr", HAS_GKR="constexpr", NEED_S="constexpr", SCALED="constexpr",
+                   SPLIT="constexpr")
+        # SPLIT: the hi + lo half-precision d-logits written for an fp32 main_grad (bf16 weights)
+        consts = dict(blocks, HAS_GLO=True, HAS_GKF=True, HAS_GKR=True, NEED_S=True, SCALED=True,
+                      SPLIT=dt != "fp32")
         fn = DT._bwd_kernel
     sig.update({name: "constexpr" for name in blocks})
     t0 = time.time()

@@ -47,10 +47,12 @@ SCRIPT = textwrap.dedent(r"""
              LT.NUM_WARPS, 3)
         if dt != "fp16":
             sig = dict(p, logz_ptr="*fp32", ent_ptr="*fp32", glp_ptr="*fp32", gent_ptr="*fp32", g_ptr="*" + dt,
-                       N="i32", C="i32", HD="i32", stride_h="i32", stride_w="i32", stride_g="i32", c0="i32",
-                       temperature="fp32", HAS_GLP="constexpr", HAS_GENT="constexpr", SCALED="constexpr")
+                       glo_ptr="*" + dt, N="i32", C="i32", HD="i32", stride_h="i32", stride_w="i32", stride_g="i32", c0="i32",
+                       temperature="fp32", HAS_GLP="constexpr", HAS_GENT="constexpr", SCALED="constexpr", SPLIT="constexpr")
             sig.update({k: "constexpr" for k in blocks})
-            comp(LT._bwd_grad_logits_kernel, sig, dict(blocks, HAS_GLP=True, HAS_GENT=True, SCALED=True),
+            # SPLIT: the hi + lo half-precision d-logits written for an fp32 main_grad (bf16 weights)
+            comp(LT._bwd_grad_logits_kernel, sig, dict(blocks, HAS_GLP=True, HAS_GENT=True, SCALED=True,
+                                                       SPLIT=dt != "fp32"),
                  "logprob_bwd_" + dt, arch, LT.NUM_WARPS, 3)
         d = 128
         bm, bn, stages = FT._config(tdt, d)
