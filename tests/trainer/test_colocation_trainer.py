@@ -12,8 +12,9 @@ import opid_mega.megatron.colocate as colocate
 from opid_mega.megatron.policy import Policy
 from opid_mega.rollout.local_engine import LocalEngine
 from opid_mega.trainer import TrainingInterrupted, resolve_init, train
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/sglang_fake.py
-from sglang_fake import ALL_TYPES  # noqa: E402, FakeSGLang, StrictSGLang
+from sglang_fake import ALL_TYPES, FakeSGLang, StrictSGLang  # noqa: E402
 
 
 class ForcedColocation(colocate.Colocation):
