@@ -116,6 +116,7 @@ setup(
             "opid-report=opid_mega.report:main",
             "opid-logprobs=opid_mega.megatron.logprobs_cli:main",
             "opid-plan=opid_mega.plan:main",
+            "opid-export=opid_mega.export:main",
         ]
     },
 )

@@ -49,7 +49,6 @@ namespace {
 constexpr int64_t kMaxInt32 = 2147483647LL;
 constexpr int64_t kMaxRanks = 1 << 20;
 constexpr int64_t kMaxBins = 1 << 20;
-constexpr double kStdFloor = 1e-6;
 
 // ------------------------------------------------------------------------------------------- buffers
 template <class T>
@@ -1057,11 +1056,11 @@ inline bool all_finite(const double* x, int64_t n) {
 }
 
 // How one skill type's Δ enters the advantage of one sample's tokens (reference.token_advantages, per token):
-// d = valid ? Δ : 0; normalised d = valid ? (flat ? d - μ : (d - μ) / σ) : 0; clipped; acc = acc + λ d.
+// d = valid ? Δ : 0; normalised d = valid ? (d - μ) / (σ + ε) : 0; clipped; acc = acc + λ d.
 struct Transform {
     double lam;
-    bool valid, normalize, flat;
-    double mu, sd;
+    bool valid, normalize;
+    double mu, sd_eps;  // sd_eps = σ + ε
     bool has_clip;
     double clip;
 };
@@ -1080,14 +1079,14 @@ void add_scaled(double* acc, const D* delta, int64_t n, const Transform& tf) {
     }
     for (int64_t j = 0; j < n; ++j) {
         double d = static_cast<double>(delta[j]);
-        if (tf.normalize) d = tf.flat ? d - tf.mu : (d - tf.mu) / tf.sd;
+        if (tf.normalize) d = (d - tf.mu) / tf.sd_eps;
         if (tf.has_clip) d = std::min(std::max(d, -tf.clip), tf.clip);
         acc[j] = acc[j] + tf.lam * d;
     }
 }
 
 py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o, py::list deltas_o, py::list masks_o,
-                                    py::list lambdas_o, bool normalize, py::object clip_o) {
+                                    py::list lambdas_o, bool normalize, py::object clip_o, double eps) {
     Kind ok;
     py::buffer_info oi = request("outcome_adv", outcome_o, {Kind::F32, Kind::F64}, &ok);
     const int64_t S = oi.shape[0];
@@ -1111,6 +1110,9 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
         }
         if (!(clip > 0)) throw py::value_error("clip=" + std::string(py::str(clip_o)) + " must be > 0 or None");
         has_clip = true;
+    }
+    if (!(eps > 0) || std::isinf(eps)) {
+        throw py::value_error("eps=" + std::to_string(eps) + " must be finite and > 0");
     }
     int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rl[s];
@@ -1203,8 +1205,8 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                             const bool valid = static_cast<const uint8_t*>(minfo[k].ptr)[s] != 0;
                             if (!normalize && valid) ok &= finite_at(k, b0, n);
                             if (lam[k] == 0.0) continue;
-                            Transform tf{lam[k], valid, normalize && count[k] > 0, sd[k] <= kStdFloor, mu[k], sd[k],
-                                         has_clip, clip};
+                            Transform tf{lam[k], valid, normalize && count[k] > 0, mu[k], sd[k] + eps, has_clip,
+                                         clip};
                             if (dkind[k] == Kind::F32) {
                                 add_scaled(acc, static_cast<const float*>(dinfo[k].ptr) + b0, n, tf);
                             } else {
@@ -1242,5 +1244,5 @@ PYBIND11_MODULE(_C, m) {
           py::arg("mode") = "mean_std_norm", py::arg("eps") = 1e-6, "GRPO outcome advantage (float64).");
     m.def("token_advantages", &token_advantages, py::arg("outcome_adv"), py::arg("resp_lens"), py::arg("deltas"),
           py::arg("masks"), py::arg("lambdas"), py::arg("normalize") = false, py::arg("clip") = py::none(),
-          "Per response token A = A_out + sum_k lambda_k * Delta'_k (float32).");
+          py::arg("eps") = 1e-6, "Per response token A = A_out + sum_k lambda_k * Delta'_k (float32).");
 }

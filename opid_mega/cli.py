@@ -1,7 +1,10 @@
 """Command-line entry points: opid-train, opid-sft, opid-eval.
 
-    opid-train --config configs/tiny_cpu.yaml [--run-dir DIR] [key.sub=value ...]
-    opid-train --resume RUN_DIR [key.sub=value ...]        # continues from RUN_DIR's last checkpoint
+    opid-train --config configs/tiny_cpu.yaml [--run-dir DIR] [key.sub=value ...]    # a fresh run (refused when
+                                                           # DIR holds one: --resume auto / --overwrite)
+    opid-train --config X --run-dir DIR --resume auto [...] # continue DIR's run if it has a checkpoint, else start it
+    opid-train --config X --run-dir DIR --overwrite [...]   # move DIR's run aside (DIR.old-<time>), start fresh
+    opid-train --resume RUN_DIR [key.sub=value ...]        # continues from RUN_DIR's last complete checkpoint
     opid-sft   --config configs/tiny_cpu.yaml [--out DIR] [--epochs N] [--lr X]   # defaults: the `sft` section
     opid-eval  --config configs/tiny_cpu.yaml [--model HF_DIR | --checkpoint RUN_DIR] [--with-skills] [key=value ...]
 """
@@ -172,23 +175,48 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="opid-train", description="OPID / GRPO training (see configs/README.md)")
     p.add_argument("--config", help="YAML config (configs/<name>.yaml)")
     p.add_argument("--run-dir", help="output directory (default: logging.run_dir)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR|auto",
+                   help="continue RUN_DIR from its last complete checkpoint; auto (with --config): continue the run "
+                        "in the run directory when it has a checkpoint, else start it (what the launchers pass)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="the run directory holds a run: move it aside to DIR.old-<time> (nothing is deleted) and "
+                        "start fresh")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
     _quiet()
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.exists():
-            print(f"opid-train: --resume {run_dir}: no config.yaml there (not a run directory)", file=sys.stderr)
-            return 2
-        cfg = _load(str(saved), args.overrides)
-    else:
-        if not args.config:
-            p.error("--config is required (or --resume RUN_DIR)")
-        cfg = _load(args.config, args.overrides)
-        run_dir = Path(args.run_dir or cfg.logging.run_dir)
-    cfg.logging.run_dir = str(run_dir)
+    from opid_mega import rundir
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    lock = None
+    try:
+        plan = rundir.plan_run(args.config, args.run_dir, args.resume, args.overwrite, args.overrides)
+        if rank0:  # one trainer per run directory, for the run's whole life (released when the process ends)
+            lock = rundir.RunLock(plan.run_dir)
+            # again under the lock: another trainer may have written the directory since
+            plan = rundir.plan_run(args.config, args.run_dir, args.resume, args.overwrite, args.overrides)
+            if plan.overwrite:
+                moved = rundir.move_aside(plan.run_dir)
+                old, lock = lock, rundir.RunLock(plan.run_dir)
+                old.release()
+                print(f"opid-train: --overwrite: moved the run that was in {plan.run_dir} to {moved}", flush=True)
+    except ConfigError as e:
+        if rank0:
+            print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except rundir.RunDirError as e:
+        if rank0:
+            print(f"opid-train: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _train_planned(plan, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_planned(plan, rank0: bool) -> int:
+    """opid-train after its run directory has been planned (and locked by global rank 0)."""
+    cfg, run_dir = plan.cfg, plan.run_dir
     if not layout_ok("opid-train", cfg):
         return 2
     if not apply_core_budget("opid-train", cfg):
@@ -201,12 +229,18 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if os.environ.get("RANK", "0") == "0":
             print(first_run_notice(cfg), flush=True)
+        from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
 
-        train(cfg, str(run_dir), resume=bool(args.resume))
+        train(cfg, str(run_dir), resume=plan.resume, resume_overrides=tuple(plan.overrides),
+              config_digest=plan.digest)
     except RolloutEngineDied as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # e.g. too little disk space: one line, the previous checkpoint intact
+        if rank0:
+            print(f"opid-train: {e}", file=sys.stderr, flush=True)
+        return 4
     except TrainingInterrupted as e:  # Ctrl-C / SIGTERM / SIGHUP: one line, on rank 0
         if os.environ.get("RANK", "0") == "0":
             print(f"opid-train: {e}", file=sys.stderr, flush=True)
@@ -246,30 +280,53 @@ def sft_main(argv: Optional[Sequence[str]] = None) -> int:
 def eval_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="opid-eval", description="evaluate a policy on held-out tasks (no skills)")
     p.add_argument("--config", required=True)
-    p.add_argument("--model", help="HF model directory (default: the config's model / init_from)")
-    p.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the last checkpoint of a training run")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="HF model directory (default: the config's model / init_from)")
+    which.add_argument("--checkpoint", metavar="RUN_DIR",
+                       help="evaluate the newest complete checkpoint of a training run (model weights only, through "
+                            "opid-export's path into a temporary HF directory; no optimizer is built)")
     p.add_argument("--group-size", type=int, default=1, help="episodes per task")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     _quiet()
     cfg = _load(args.config, args.overrides)
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        if args.checkpoint:  # the run's model, exported model-only (opid_mega.export), is what the engine serves
+            from opid_mega.export import ExportError, export_hf
+
+            tmp = tempfile.mkdtemp(prefix="opid-eval-")
+            try:
+                r = export_hf(args.checkpoint, os.path.join(tmp, "model"), prog="opid-eval",
+                              log=lambda line: print(line, file=sys.stderr, flush=True))
+            except (ExportError, OSError) as e:
+                print(f"opid-eval: --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
+                return 2
+            hf_dir = r.out_dir
+            print(f"opid-eval: checkpoint step {r.step} of {args.checkpoint}", file=sys.stderr)
+        else:
+            from opid_mega.trainer import resolve_init
+
+            hf_dir = args.model or resolve_init(cfg)
+        return _evaluate(cfg, hf_dir, args.group_size)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
     from opid_mega.models import load_tokenizer
-    from opid_mega.trainer import build_agent_loop, build_engine, env_factory, mean, play, resolve_init
+    from opid_mega.trainer import build_agent_loop, build_engine, env_factory, mean, play
 
-    hf_dir = args.model or resolve_init(cfg)
     engine = build_engine(cfg, hf_dir)
-    if args.checkpoint:
-        from opid_mega.megatron.policy import Policy
-
-        policy = Policy(cfg, hf_dir)
-        step, _ = policy.load(str(Path(args.checkpoint) / "checkpoints"))
-        engine.update_weights(policy.export())
-        print(f"opid-eval: checkpoint step {step} of {args.checkpoint}", file=sys.stderr)
     env = env_factory(cfg)()
     tasks = env.tasks(cfg.env.eval_split, cfg.eval.num_tasks, seed=cfg.train.seed)
     env.close()
     loop = build_agent_loop(cfg, engine, load_tokenizer(hf_dir), hf_dir)
-    trajs = play(loop, cfg, tasks, args.group_size, cfg.eval.temperature,
+    trajs = play(loop, cfg, tasks, group_size, cfg.eval.temperature,
                  seed=cfg.train.seed * 100_003 + 77_777).trajectories
     loop.close()
     result = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs),

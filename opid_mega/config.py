@@ -66,6 +66,11 @@ class EnvConfig:
     name: Literal["textworld", "alfworld", "search_qa", "webshop"] = "textworld"
     max_steps: int = 30
     history_length: int = 5
+    # Step-prompt templates (opid_mega/envs/prompts.py): reference = the reference's shapes (ALFWorld/TextWorld step 0
+    # without a task line of its own, the task ending the first observation; actions joined by a newline and a space;
+    # WebShop's own closing paragraph); ours = this project's earlier templates (task line at every step, ", "
+    # joins), which the first CPU experiment used
+    template: Literal["reference", "ours"] = "reference"
     # Backend-specific options passed to opid_mega.envs.make_env(name, **options); the backend validates them.
     options: dict = field(default_factory=dict)
     train_split: str = "train"
@@ -128,13 +133,30 @@ class AnalyzerConfig:
     max_step_skills: int = 5  # K (ALFWorld/WebShop 5, Search 2)
     gamma: float = 0.95
     concurrency: int = 16
-    timeout_s: float = 120.0
-    max_retries: int = 5
+    # Replies are streamed; a request with no new token for stall_timeout_s (the wait for the first token included)
+    # is given up, aborted on the server (SGLang: /abort_request with its rid) and retried. timeout_s: an optional cap
+    # on one whole reply (null: none; the start-up probe warns when it is shorter than a max_tokens reply).
+    stall_timeout_s: float = 120.0
+    timeout_s: Optional[float] = None
+    # The reference's retry policy: 1 + max_retries attempts (5 in all), every error retried (an empty reply too),
+    # waits backoff_s x 2^(r-1) capped at backoff_max_s (1, 2, 4, 8 s).
+    max_retries: int = 4
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
-    temperature: float = 0.0
+    # Sampling as the reference: temperature null = not sent (the server's default), no response format. Ours:
+    # temperature 0.0, response_format json_object (JSON mode) or json_schema (the analysis schema).
+    temperature: Optional[float] = None
+    response_format: Literal["none", "json_object", "json_schema"] = "none"
+    # Deprecated alias of response_format (kept so older config.yaml files still load): true = json_object,
+    # false = none; null (default): unused. Setting it together with a response_format other than none is an error.
+    json_mode: Optional[bool] = None
+    # Reply parsing: reference (its edge cases: null step values -> "None", the last duplicate key wins, int() keys,
+    # str() of a non-string episode_skill, python-literal fallback only without any JSON object) or ours (stricter:
+    # opid_mega/skills/parser.py).
+    parser: Literal["reference", "ours"] = "reference"
     max_tokens: int = 4096  # the analyzer's completion budget, as in the reference
-    json_mode: bool = True  # JSON-constrained decoding where the server supports it
+    # The run stops (one line, exit 3) after this many iterations in a row in which every analysis failed (0: never)
+    max_failed_iterations: int = 3
     # Skills (episode and step) longer than this many tokens of the policy tokenizer are cut at a word boundary
     # (metric analysis/skills_truncated); the fork scorer's budget is derived from it (README "Runs, resume and faults")
     max_skill_tokens: int = 256
@@ -144,8 +166,8 @@ class AnalyzerConfig:
     # by then are failures (no skill signal, counted in analysis/deadline_failures and analysis/failures_total,
     # audited) and the iteration goes on. Sizing for the paper configs: 128 (or 1024) calls, concurrency 64 (128),
     # one reply <= max_tokens 4096; typical replies of a few hundred tokens take ~10-40 s on a GPU server, so 2 (8)
-    # waves take minutes; each call may take (1 + max_retries) x timeout_s + backoff ~ 15 min at worst. 3600 s
-    # covers several such slow waves and bounds an iteration whose analyzer answers nothing.
+    # waves take minutes; a stalled request is given up after stall_timeout_s and retried (at most 5 attempts and
+    # 15 s of backoff). 3600 s covers several slow waves and bounds an iteration whose analyzer answers nothing.
     deadline_s: float = 3600.0
 
 
@@ -168,8 +190,16 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = 3.0
-    # Only token-mean is implemented for now; the others are rejected by validate().
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # PPO loss aggregation (all four work, in opid_mega.algo.agg_loss and the Megatron loss alike):
+    # token-mean-micro = the reference's: the token mean of each micro-batch, averaged over the micro-batches of all
+    #   data-parallel ranks (= per-rank mean divided by the gradient-accumulation count, averaged over the ranks);
+    #   the paper configs use it. The result depends on how step-samples fall into micro-batches.
+    # token-mean = ours (the default): one token mean over the whole mini-batch across ranks, independent of the
+    #   micro-batch and data-parallel layout. seq-mean-token-sum / seq-mean-token-mean: per sequence sum / mean,
+    #   then the mean over the mini-batch's sequences.
+    loss_agg: Literal["token-mean", "token-mean-micro", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # PPO log-ratio clamp: null = not clamped (the reference); c > 0 clamps log(π/π_old) to ±c before exp
+    log_ratio_clamp: Optional[float] = None
     kl_coef: float = 0.01
     kl_kind: Literal["low_var_kl", "k1", "k2", "mse"] = "low_var_kl"
     entropy_coef: float = 0.001
@@ -208,7 +238,15 @@ class TrainConfig:
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
     mini_batch_size: int = 256  # step-samples per optimizer step
+    # Mini-batches in rollout order (trajectory by trajectory, each trajectory's steps in order), as the reference
+    # takes them; true: a seeded shuffle of the step-samples before each PPO epoch (this project's earlier default)
+    shuffle_minibatches: bool = False
     micro_batch_tokens: int = 8192  # token budget per packed micro-batch
+    # Step-samples per micro-batch of the reference's loss aggregation (algo.loss_agg=token-mean-micro only; the paper's
+    # 32 ALFWorld / 8 WebShop / 16 Search-QA): the mini-batch's step-samples in order, that many per micro-batch,
+    # each micro-batch's token mean averaged over them, independent of the packing above. 0: the packed micro-batches
+    # are the loss's micro-batches.
+    micro_batch_size: int = 0
     ppo_epochs: int = 1
     seed: int = 1
     save_interval: int = 10
@@ -263,7 +301,7 @@ class ScoringConfig:
 
 @dataclass
 class DeployConfig:
-    """Where every process runs (README "Multi-node"; `opid-plan` checks it against the model and the cluster).
+    """Where every process runs (docs/multi-node.md; `opid-plan` checks it against the model and the cluster).
 
     GPU ids are local to a node. Rollout servers are launched per node by the node's first trainer rank (the same
     `rollout_gpus` on every node); the analyzer server (when the trainer launches one) runs on node 0."""
@@ -294,6 +332,11 @@ class DeployConfig:
     balancer: Literal["client", "router"] = "client"
     # Extra `python -m sglang_router.launch_router` arguments, verbatim
     router_args: list = field(default_factory=list)
+    # The address every server and the router the trainer launches bind and advertise (opid_mega.hosts): auto = the
+    # address of this node's interface that routes to the rendezvous host (MASTER_ADDR; 127.0.0.1 in a one-node
+    # run), or an address of the node, or an interface name (eth0, ib0: the same config on every node). Every
+    # launched server and the router also get a per-run random API key, sent by every client, logged nowhere.
+    bind_host: str = "auto"
     # Ranks waiting for global rank 0 (rollout, analysis, evaluation) wait on a gloo control group with this timeout;
     # the training process groups keep train_timeout_s
     control_timeout_s: float = 86400.0
@@ -310,7 +353,7 @@ class DeployConfig:
 
 @dataclass
 class SyncConfig:
-    """Weight sync Megatron -> rollout engines (README "Multi-node", weight sync)."""
+    """Weight sync Megatron -> rollout engines (docs/multi-node.md, weight sync)."""
 
     # auto: distributed (NCCL group) for disaggregated GPU engines, tensor for engines on this machine (colocated,
     # CPU), disk otherwise. distributed = SGLang update_weights_from_distributed; tensor =
@@ -391,11 +434,14 @@ _CHECKS: dict[str, tuple] = {
     "analyzer.max_step_skills": (lambda v: v >= 0, "an integer >= 0"),
     "analyzer.gamma": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "analyzer.concurrency": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
-    "analyzer.timeout_s": _SECONDS,
+    "analyzer.timeout_s": (lambda v: v is None or 0 < v <= MAX_SECONDS,
+                           f"null or a number of seconds in (0, {MAX_SECONDS:g}]"),
+    "analyzer.stall_timeout_s": _SECONDS,
     "analyzer.max_retries": (lambda v: 0 <= v <= 100, "an integer in [0, 100]"),
+    "analyzer.max_failed_iterations": (lambda v: v >= 0, "an integer >= 0 (0: never stop)"),
     "analyzer.backoff_s": _BACKOFF,
     "analyzer.backoff_max_s": _BACKOFF,
-    "analyzer.temperature": (lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+    "analyzer.temperature": (lambda v: v is None or 0 <= v <= 2, "null (the server's default) or a number in [0, 2]"),
     "analyzer.max_tokens": _POSITIVE_INT,
     "analyzer.max_skill_tokens": _POSITIVE_INT,
     "analyzer.api_key_env": _ENV_NAME,
@@ -408,6 +454,7 @@ _CHECKS: dict[str, tuple] = {
     "algo.clip_low": _NON_NEG,
     "algo.clip_high": _NON_NEG,
     "algo.dual_clip": (lambda v: v is None or v > 1, "null or a number > 1"),
+    "algo.log_ratio_clamp": (lambda v: v is None or v > 0, "null or a number > 0"),
     "algo.kl_coef": _NON_NEG,
     "algo.entropy_coef": _NON_NEG,
     "train.iterations": (lambda v: v >= 0, "an integer >= 0"),
@@ -420,6 +467,7 @@ _CHECKS: dict[str, tuple] = {
     "train.seed": (lambda v: v >= 0, "an integer >= 0"),
     "train.mini_batch_size": _POSITIVE_INT,
     "train.micro_batch_tokens": _POSITIVE_INT,
+    "train.micro_batch_size": (lambda v: v >= 0, "an integer >= 0 (0: the packed micro-batches)"),
     "train.ppo_epochs": _POSITIVE_INT,
     "train.save_interval": (lambda v: v >= 0, "an integer >= 0"),
     "train.keep_checkpoints": (lambda v: v >= 0, "an integer >= 0 (0 keeps all)"),
@@ -444,6 +492,8 @@ _CHECKS: dict[str, tuple] = {
     "deploy.trainer_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.server_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.train_timeout_s": _SECONDS,
+    "deploy.bind_host": (lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.:%-]+", v)) and v not in ("0.0.0.0", "::"),
+                         "auto, an address of the node (not a wildcard such as 0.0.0.0) or an interface name"),
     "sync.bucket_mb": _POSITIVE_INT,
     "sync.check_interval": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     "sync.check_tokens": _POSITIVE_INT,
@@ -601,6 +651,10 @@ def validate(cfg: Config) -> Config:
     if cfg.algo.distill_coef > 0 and no_skill_term:
         raise ConfigError(f"algo.distill_coef: got {cfg.algo.distill_coef!r} with algo.mode={cfg.algo.mode}, allowed: "
                           "0 (this mode routes no skill to distil from)")
+    if cfg.train.micro_batch_size and cfg.algo.loss_agg != "token-mean-micro":
+        raise ConfigError(f"train.micro_batch_size: got {cfg.train.micro_batch_size} with algo.loss_agg="
+                          f"{cfg.algo.loss_agg}, allowed: 0 (it sets the micro-batches of algo.loss_agg="
+                          "token-mean-micro only)")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise ConfigError("parallel.sequence_parallel: got true with parallel.tp=1, allowed: true only with "
                           "parallel.tp > 1")
@@ -613,6 +667,10 @@ def validate(cfg: Config) -> Config:
                           f"(deploy.rollout_servers_per_node={d.rollout_servers_per_node})")
     if cfg.parallel.vpp > 1 and cfg.parallel.pp == 1:
         raise ConfigError("parallel.vpp: got %d, allowed: 1 unless parallel.pp > 1" % cfg.parallel.vpp)
+    if cfg.analyzer.json_mode is not None and cfg.analyzer.response_format != "none":
+        raise ConfigError(f"analyzer.json_mode: got {cfg.analyzer.json_mode!r} with analyzer.response_format="
+                          f"{cfg.analyzer.response_format}, allowed: null (json_mode is the deprecated alias of "
+                          "response_format: set only response_format)")
     return cfg
 
 
@@ -668,6 +726,14 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 # Keys whose values are secrets: never written by dump_config (config.yaml, `python -m opid_mega.config`, experiment
 # records) and shown as *** in logged command lines (opid_mega.redact).
 SECRET_KEYS = ("analyzer.api_key",)
+
+
+def analyzer_response_format(analyzer: AnalyzerConfig) -> str:
+    """analyzer.response_format, or what the deprecated analyzer.json_mode stands for when it is set (true:
+    json_object, false: none)."""
+    if analyzer.json_mode is None:
+        return analyzer.response_format
+    return "json_object" if analyzer.json_mode else "none"
 
 
 def resolve_api_key(analyzer: AnalyzerConfig, environ: Optional[dict] = None) -> str:

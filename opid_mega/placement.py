@@ -97,3 +97,18 @@ def node_placement(deploy, analyzer_launched: bool = False) -> NodePlacement:
     if errors:
         raise PlacementError(errors[0])
     return placement
+
+
+def launch_shape(cfg) -> tuple[int, int]:
+    """(nodes, ranks per node) of a run, from its config (what the launchers start; tools/launch/preflight.py):
+    deploy.nodes, and the training GPUs of a node by the placement rules above (deploy.train_gpus_per_node, or what
+    the placement leaves for training). On a CPU config each "GPU" is one rank. PlacementError with the first
+    problem of the placement."""
+    d, r = cfg.deploy, cfg.rollout
+    servers = d.rollout_servers_per_node if (r.engine == "sglang" and not r.sglang_url) else 0
+    gpu = cfg.parallel.backend != "gloo"
+    analyzer = gpu and cfg.algo.needs_analysis and cfg.analyzer.backend == "llm" and not cfg.analyzer.base_url
+    placement, errors = placement_problems(d, servers=servers, analyzer_launched=analyzer)
+    if errors:
+        raise PlacementError(errors[0])
+    return d.nodes, len(placement.train_gpus)

@@ -460,9 +460,11 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     t_score = score_flops / cluster_flops
     t_train = train_flops / cluster_flops
     sync_bytes = N * e
-    method = cfg.sync.method
-    if method == "auto":
-        method = "distributed" if (d.mode == "disaggregated" and gpu_cluster) else "tensor" if colocated else "disk"
+    method = sync_method(cfg, gpu_cluster)
+    errors.extend(sync_problems(cfg, method, gpu_cluster, train_ids, groups))
+    if method == "disk" and nodes > 1:
+        notes.append("sync.method=disk with several nodes: sync.disk_dir (empty: the run directory) must be on a file "
+                     "system every node's servers see")
     t_sync = sync_bytes * 8 / (sync_gbps * 1e9) * (2 if method == "disk" else 1)
     t_offload = 2 * moments * 8 / (host_gbps * 1e9) if (colocated and d.offload_optimizer and gpu_cluster) else 0.0
     total_t = t_rollout + t_analysis + t_score + t_train + t_sync + t_offload
@@ -489,11 +491,13 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
                         f"train.recompute={t.recompute}; + log-prob head 2 x tokens x {LOGPROB_CHUNK}-column fp32 chunks"),
         "fork scoring": (f"forward only, {score_tokens} tokens per micro-batch: one layer's working set + the K/V of "
                          "the micro-batch (shared prefixes once) + the head chunk"),
-        "sglang": ("each server takes deploy.rollout_mem_fraction (analyzer: deploy.analyzer_mem_fraction) x GPU memory "
-                   "on each of its GPUs for weights + KV cache (an upper bound of --mem-fraction-static); weights in "
-                   "model.dtype split over rollout_tp; analyzer in bf16 with TP = its GPUs"),
-        "placement": ("colocated: training phase: SGLang memory released (deploy.release_engine_memory); rollout phase: weights + "
-                      "grads stay, optimizer state on the host (deploy.offload_optimizer)") if colocated else
+        "sglang": ("each server takes deploy.rollout_mem_fraction (analyzer: deploy.analyzer_mem_fraction) x the GPU "
+                   "memory free when it starts (SGLang's --mem-fraction-static; colocated: the GPU minus the trainer's "
+                   "resident weights, grads and fp32 master weights) for weights + KV cache; weights in model.dtype "
+                   "split over rollout_tp; analyzer in bf16 with TP = its GPUs"),
+        "placement": ("colocated: training phase: SGLang memory released (deploy.release_engine_memory); rollout phase: "
+                      "weights, grads and fp32 master weights stay, Adam's moments on the host "
+                      "(deploy.offload_optimizer)") if colocated else
                      "disaggregated: servers on their own GPUs, training GPUs hold only Megatron",
         "reference": "the frozen reference is a host-memory copy (ReferenceWeights), not on the GPU",
         "rollout": (f"upper bound tasks_per_iter x group_size x max_steps x max_response_tokens = {B}x{Gs}x{S}x"
@@ -523,6 +527,63 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         params_total=N, per_gpu_gib=fullest["peak_gib"],
         memory=memory, time=time, assumptions=assumptions,
     )
+
+
+def sync_method(cfg: Config, gpu_cluster: bool) -> str:
+    """sync.method as the trainer resolves it (opid_mega.megatron.weight_sync.resolve_method) from the config alone:
+    auto = distributed for disaggregated GPU servers, tensor for launched servers (every node's fed on that node)
+    and attached ones on this machine, disk for attached servers elsewhere."""
+    method = cfg.sync.method
+    if cfg.rollout.engine == "local":
+        return "local"
+    if method != "auto":
+        return method
+    if cfg.deploy.mode == "disaggregated" and gpu_cluster:
+        return "distributed"
+    return "disk" if _remote_attached(cfg) else "tensor"
+
+
+def _remote_attached(cfg: Config) -> list[str]:
+    """The hosts of rollout.sglang_url (attached servers) that are not this machine's loopback."""
+    from opid_mega.hosts import url_host
+
+    hosts = [url_host(u) for u in cfg.rollout.sglang_url.split(",") if u.strip()] if cfg.rollout.sglang_url else []
+    return [h for h in hosts if h not in ("localhost", "127.0.0.1", "::1") and not h.startswith("127.")]
+
+
+def sync_problems(cfg: Config, method: str, gpu_cluster: bool, train_ids: list, groups: list) -> list[str]:
+    """Weight-sync methods that cannot reach the servers (one line each, naming the key)."""
+    out = []
+    remote = _remote_attached(cfg)
+    if method == "tensor" and remote:
+        out.append(f"sync.method: tensor sends shared-memory / CUDA IPC handles, which open only on the machine that "
+                   f"made them, and rollout.sglang_url names servers on {sorted(set(remote))}, where no rank of this "
+                   "run feeds them; use sync.method=distributed or disk (auto picks disk)")
+    launched = cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_url
+    if method == "distributed" and launched and gpu_cluster and cfg.deploy.mode == "colocated" and train_ids:
+        shared = [g for g in groups if train_ids[0] in g]
+        if shared:
+            out.append(f"sync.method: distributed puts global rank 0 (GPU {train_ids[0]} of node 0) and the colocated "
+                       f"rollout server on GPUs {shared[0]} in one NCCL group, and NCCL refuses two ranks of a group "
+                       "on one GPU; use sync.method=tensor (each node's servers fed by CUDA IPC on that node) or auto")
+    return out
+
+
+def launch_lines(config: str, overrides: list, nodes: int, ranks: int, gpus_per_node: int) -> dict:
+    """The exact commands that launch this plan (tools/launch/*): torchrun on each node, SLURM, Ray."""
+    import shlex
+
+    tail = " ".join(shlex.quote(x) for x in ["--config", config, *overrides])
+    if nodes == 1:
+        torchrun = f"tools/launch/torchrun.sh {tail}"
+    else:
+        torchrun = (f"NNODES={nodes} NPROC_PER_NODE={ranks} NODE_RANK=<0..{nodes - 1}> NODE_ADDR=<this node's "
+                    f"address> RDZV_ENDPOINT=<node 0's address>:29400 RDZV_ID=<job id> tools/launch/torchrun.sh "
+                    f"{tail}")
+    return {"torchrun": torchrun + ("" if nodes == 1 else "   # on every node"),
+            "slurm": f"sbatch --nodes {nodes} --gpus-per-node {gpus_per_node} tools/launch/opid.sbatch {tail}",
+            "ray": f"python tools/launch/ray_launch.py --address auto --nodes {nodes} --trainers-per-node {ranks} "
+                   f"{tail}"}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -597,6 +658,10 @@ def render(res: dict) -> str:
     out.extend(f"  {k}: {v}" for k, v in res["assumptions"].items())
     for n in res["notes"]:
         out.append(f"note: {n}")
+    if res.get("launch"):
+        out.append("")
+        out.append("launch (tools/launch/; the ranks per node and node count come from the config's deploy section):")
+        out.extend(f"  {k:<9}{v}" for k, v in res["launch"].items())
     out.append("")
     if res["ok"]:
         out.append("plan: ok")
@@ -644,6 +709,10 @@ def main(argv: Optional[list] = None) -> int:
     except (ConfigError, PlanError) as e:
         print(f"opid-plan: {e}", file=sys.stderr)
         return 2
+    if res["ok"]:
+        lay = res["layout"]
+        res["launch"] = launch_lines(args.config, overrides, res["config"]["nodes"], lay["train_gpus_per_node"],
+                                     res["config"]["gpus_per_node"])
     try:
         print(json.dumps(res) if args.json else render(res))
     except BrokenPipeError:  # `opid-plan ... | head`

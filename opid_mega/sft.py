@@ -147,14 +147,28 @@ def sft_step(policy, samples: list) -> float:
     return float(tot[0] / tot[1].clamp(min=1)) if outs else float("nan")
 
 
+# The prompt-template fingerprint (opid_mega.envs.prompts.template_fingerprint) of each env's templates before
+# env.template existed (= env.template=ours). A warm start whose prompts render like these keeps its old key; any
+# other prompt text (env.template=reference for TextWorld/ALFWorld/WebShop, any later edit of a template) puts its
+# fingerprint into the key, so a warm start tokenized from other prompts is never reused.
+PROMPTS_BEFORE_TEMPLATES = {"textworld": "6ed74abfcfc6c00a", "alfworld": "292770e01a244ebb",
+                            "webshop": "23f38c262820cef8", "search_qa": "c85e0a341ee20b5e"}
+
+
 def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
     """The warm start's cache key. sft.skill_share enters it only when non-zero (with the analyzer's K, which decides
-    the sections), so warm starts built before that option keep their keys."""
+    the sections), so warm starts built before that option keep their keys; likewise the prompt templates enter it
+    only when their text differs from the one before env.template existed (PROMPTS_BEFORE_TEMPLATES)."""
+    from opid_mega.envs.prompts import template_fingerprint
+
     opts = dict(opts)
     if opts.get("skill_share"):
         opts["skill_max_step_skills"] = cfg.analyzer.max_step_skills
     else:
         opts.pop("skill_share", None)
+    prompts = template_fingerprint(cfg.env.template, cfg.env.name)
+    if prompts != PROMPTS_BEFORE_TEMPLATES.get(cfg.env.name):
+        opts["prompt_templates"] = f"{cfg.env.template}:{prompts}"
     cfg_file = Path(base_dir) / "config.json"
     spec = dict(version=SFT_VERSION, base=str(Path(base_dir).resolve()),
                 base_config=cfg_file.read_text() if cfg_file.exists() else "", env=cfg.env.name,

@@ -25,6 +25,7 @@ the uninterrupted one.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import random
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from opid_mega import algo
-from opid_mega.config import Config, dump_config
+from opid_mega.config import Config
 from opid_mega.skills.injection import inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
@@ -123,8 +124,13 @@ def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executa
 
         gpus = node_placement(cfg.deploy, analyzer_launched=True).analyzer_gpus
         args, env = server_args(cfg, args, gpus, cfg.deploy.analyzer_mem_fraction)
+    from opid_mega.hosts import bind_host, run_api_key
+
+    # bound like the rollout servers (deploy.bind_host), with the run's key (random unless $OPID_SGLANG_API_KEY;
+    # the analyzer client sends it)
     return SGLangEngine(cfg.analyzer.model, server_args=args, log_dir=str(run_dir / "sglang_analyzer"),
-                        python=python, env=env, cpus=list(cfg.deploy.server_cpus) or None)
+                        python=python, env=env, cpus=list(cfg.deploy.server_cpus) or None,
+                        host=bind_host(cfg.deploy.bind_host), api_key=run_api_key())
 
 
 def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_server):
@@ -144,7 +150,9 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
     try:
         from opid_mega.config import resolve_api_key
 
-        return LLMAnalyzer(base_url, model=a.model, api_key=resolve_api_key(a), concurrency=a.concurrency,
+        # a launched server's own key (Authorization: Bearer), else analyzer.api_key / $analyzer.api_key_env
+        key = (getattr(server, "api_key", None) if server is not None else None) or resolve_api_key(a)
+        return LLMAnalyzer(base_url, model=a.model, api_key=key, concurrency=a.concurrency,
                            timeout_s=a.timeout_s, max_retries=a.max_retries, backoff_s=a.backoff_s,
                            backoff_max_s=a.backoff_max_s, temperature=a.temperature, max_tokens=a.max_tokens,
                            json_mode=a.json_mode, max_step_skills=a.max_step_skills, gamma=a.gamma,
@@ -171,9 +179,10 @@ def server_args(cfg: Config, extra: list, gpus: list, mem_fraction: float) -> tu
     return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
 
 
-def launch_node_servers(cfg: Config, hf_dir: str) -> list:
+def launch_node_servers(cfg: Config, hf_dir: str, api_key: Optional[str] = None) -> list:
     """This node's rollout servers (deploy.rollout_servers_per_node, placed by opid_mega.placement), started by the
-    node's first rank; empty when rollout.engine is local or rollout.sglang_url attaches to running servers."""
+    node's first rank; empty when rollout.engine is local or rollout.sglang_url attaches to running servers. They
+    bind and advertise the node's address by deploy.bind_host (opid_mega.hosts) and take `api_key` (the run's)."""
     from opid_mega.placement import node_placement
     from opid_mega.rollout.fleet import launch_fleet
 
@@ -185,9 +194,13 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
     launches = [server_args(cfg, list(cfg.rollout.sglang_args) + (["--enable-memory-saver"] if memory_saver else []),
                             g, cfg.deploy.rollout_mem_fraction) for g in groups]
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    from opid_mega.hosts import bind_host
+
+    host = bind_host(cfg.deploy.bind_host)  # auto: the interface that routes to the rendezvous host
     # --dtype model.dtype unless rollout.sglang_args set it: SGLang's `auto` serves a float32 checkpoint as float16
     fleet = launch_fleet(hf_dir, len(groups), launches[0][0], dtype=cfg.model.dtype,
                          log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
+                         host=host, api_key=api_key,
                          envs=[env for _, env in launches], balancer="client",
                          engine_options={"cpus": list(cfg.deploy.server_cpus) or None,
                                          "request_timeout_s": cfg.rollout.request_timeout_s})
@@ -195,46 +208,70 @@ def launch_node_servers(cfg: Config, hf_dir: str) -> list:
     return list(fleet.engines)
 
 
-def build_engine(cfg: Config, hf_dir: str, servers: Optional[list] = None, urls: Optional[list] = None):
+def build_engine(cfg: Config, hf_dir: str, servers: Optional[list] = None, urls: Optional[list] = None,
+                 api_key: Optional[str] = None):
     """Global rank 0's rollout engine: the local engine; one SGLang server (launched or attached); or a fleet of
     every node's servers (`urls`, gathered from the nodes' first ranks; those launched here are `servers`) behind
-    our client balancer or SGLang's router (deploy.balancer). rollout.sglang_url may list several servers,
-    comma-separated."""
+    our client balancer or SGLang's router (deploy.balancer), which binds like the servers (deploy.bind_host).
+    `api_key`: the launched servers' key (also the router's). rollout.sglang_url may list several servers,
+    comma-separated; their key, if they have one, comes from $OPID_SGLANG_API_KEY."""
     from opid_mega.rollout.factory import make_engine
     from opid_mega.rollout.fleet import FleetEngine, RouterFleet
 
     if cfg.rollout.engine == "local":
         return make_engine("local", hf_dir, dtype=cfg.model.dtype)
+    from opid_mega.hosts import API_KEY_ENV, bind_host, run_api_key
+
     if servers is None and urls is None:  # one process (opid-eval): this process launches the servers itself
-        servers = launch_node_servers(cfg, hf_dir)
+        api_key = api_key or run_api_key()
+        servers = launch_node_servers(cfg, hf_dir, api_key)
         urls = [e.url for e in servers]
     servers = servers or []
     if cfg.rollout.sglang_url:
         urls = [u.strip() for u in cfg.rollout.sglang_url.split(",") if u.strip()]
+        api_key = os.environ.get(API_KEY_ENV) or None  # servers someone else runs: their key, if any
     own = {e.url: e for e in servers}
-    engines = [own.get(u) or make_engine("sglang", None, url=u, request_timeout_s=cfg.rollout.request_timeout_s)
-               for u in urls]
+    engines = [own.get(u) or make_engine("sglang", None, url=u, request_timeout_s=cfg.rollout.request_timeout_s,
+                                         api_key=api_key) for u in urls]
     if len(engines) == 1 and cfg.deploy.balancer == "client":
         return engines[0]
     if cfg.deploy.balancer == "router":
         return RouterFleet(engines, router_args=list(cfg.deploy.router_args),
-                           log_dir=os.path.join(cfg.logging.run_dir, "sglang"),
+                           log_dir=os.path.join(cfg.logging.run_dir, "sglang"), host=bind_host(cfg.deploy.bind_host),
+                           api_key=api_key or run_api_key(),
                            request_timeout_s=cfg.rollout.request_timeout_s)
     return FleetEngine(engines)
 
 
-def gather_server_urls(servers: list) -> list:
-    """Every node's rollout server URLs, in node order (a collective on the control group)."""
+def gather_servers(cfg: Config, servers: list) -> dict:
+    """Every rank's launched rollout servers and where each rank runs (a collective on the control group):
+    {"servers": [{"url", "rank", "gpus"}] in node order, "ranks": [{"rank", "node", "gpu"}]}; the URLs are the
+    addresses the servers bind (deploy.bind_host), reachable from the other nodes. The weight sync decides from it
+    which rank of a server's node feeds it (opid_mega.megatron.weight_sync.feeders)."""
     import torch.distributed as dist
 
-    from opid_mega.megatron.parallel import control_group
+    from opid_mega.megatron.parallel import all_gather_control
 
-    mine = [e.url for e in servers]
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=control_group())
-    return [u for part in everyone for u in part]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = []
+    if servers and torch.cuda.is_available():
+        from opid_mega.placement import node_placement
+
+        groups = node_placement(cfg.deploy).rollout_groups
+    mine = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")) or 0),
+            "gpu": torch.cuda.current_device() if torch.cuda.is_available() else None,
+            "servers": [{"url": e.url, "rank": rank, "gpus": list(groups[i]) if i < len(groups) else []}
+                        for i, e in enumerate(servers)]}
+    everyone = all_gather_control(mine)
+    return {"servers": [s for part in everyone for s in part["servers"]],
+            "ranks": [{k: part[k] for k in ("rank", "node", "gpu")} for part in everyone]}
+
+
+def gather_server_urls(servers: list) -> list:
+    """Every node's rollout server URLs, in node order (a collective on the control group)."""
+    from opid_mega.megatron.parallel import all_gather_control
+
+    return [u for part in all_gather_control([e.url for e in servers]) for u in part]
 
 
 def resolve_init(cfg: Config) -> str:
@@ -361,37 +398,18 @@ def learning_rate(train, it: int) -> float:
 
 
 def broadcast(produce):
-    """`produce()` on global rank 0, its result (or its error) sent to every rank over the control group
-    (`parallel.control_group()`: gloo, deploy.control_timeout_s), so the other ranks may wait for rank 0's rollout
-    and analysis far longer than the training groups' timeout. Single process: just the call."""
-    import torch.distributed as dist
+    """`produce()` on global rank 0, its result (or error) on every rank over the control group: the control channel
+    lives with the parallel state (opid_mega.megatron.parallel.broadcast); kept here for the trainer's callers."""
+    from opid_mega.megatron.parallel import broadcast as control_broadcast
 
-    from opid_mega.megatron.parallel import control_group
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return produce()
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", produce())]
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank
-            box = [("error", exc)]
-    dist.broadcast_object_list(box, src=0, group=control_group())
-    status, value = box[0]
-    if status == "error":
-        raise value
-    return value
+    return control_broadcast(produce)
 
 
 def wait_for_rank0() -> None:
-    """Every rank waits here, on the control group, until global rank 0 has finished work only it does (launching
-    servers, evaluation): the next training collective then starts together on every rank."""
-    import torch.distributed as dist
+    """Every rank waits for global rank 0 on the control group (opid_mega.megatron.parallel.wait_for_rank0)."""
+    from opid_mega.megatron.parallel import wait_for_rank0 as control_barrier
 
-    from opid_mega.megatron.parallel import control_group
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=control_group())
+    control_barrier()
 
 
 def mean(xs) -> float:
@@ -405,7 +423,13 @@ def mean(xs) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Optional[str] = None, resume: bool = False):
+    def __init__(self, cfg: Config, run_dir: Optional[str] = None, resume: bool = False,
+                 resume_overrides: tuple = (), config_digest: Optional[dict] = None):
+        """`resume`: continue from the run directory's newest complete checkpoint (what a killed save left is
+        removed first). `resume_overrides`: the key=value overrides of this resume, recorded in
+        resume_overrides.jsonl (config.yaml is never rewritten on resume). `config_digest`: the digest of the run's
+        config.yaml (opid_mega.rundir.config_digest), stored in every checkpoint (default: of `cfg` on a fresh start,
+        of the saved config.yaml on a resume)."""
         from opid_mega.metrics import MetricsLogger
         from opid_mega.models import load_tokenizer
         from opid_mega.scoring.fork_scorer import ForkScorer
@@ -425,15 +449,43 @@ class Trainer:
         self.policy = Policy(cfg, hf_dir)  # every rank: Megatron TP/PP/DP
         # Rollout, analysis, evaluation, metrics and the audit log live on global rank 0; the batch is broadcast.
         self.rank0 = torch.distributed.get_rank() == 0
+        from opid_mega import rundir
+
+        if config_digest is None:
+            saved = self.run_dir / rundir.CONFIG_FILE
+            config_digest = rundir.config_digest(rundir.read_saved_config(self.run_dir) if resume and saved.exists()
+                                                 else cfg)
+        self.config_digest = config_digest
+        self.start, resumed = 0, {}
+        if resume:  # model, optimizer, RNG and step from the newest complete checkpoint
+            from opid_mega.megatron.checkpoint import clean_uncommitted
+
+            if self.rank0:
+                removed = clean_uncommitted(self.ckpt_dir)
+                if removed:
+                    print(f"opid-train: removed what a killed save left in {self.ckpt_dir}: {', '.join(removed)}",
+                          flush=True)
+            wait_for_rank0()
+            self.start, resumed = self.policy.load(self.ckpt_dir)
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            if resume:  # config.yaml stays as the run started; this resume's overrides get their own record
+                rundir.run_id(self.run_dir)  # (a run from before run ids gets one)
+                rundir.record_resume(self.run_dir, self.start, list(resume_overrides))
+            else:  # a fresh start (the CLI refused a directory holding checkpoints): a new run in this directory
+                rundir.write_config(self.run_dir, cfg)
+                self.config_digest = rundir.config_digest(cfg)  # exactly what config.yaml now holds
+                rundir.new_run_id(self.run_dir)
+                for name in ("audit.jsonl", rundir.OVERRIDES_FILE):  # a predecessor that never saved a checkpoint
+                    rundir.move_file_aside(self.run_dir / name)
         self.tokenizer = load_tokenizer(hf_dir)
         env = env_factory(cfg)()
         self.eval_tasks = env.tasks(cfg.env.eval_split, cfg.eval.num_tasks, seed=cfg.train.seed) \
             if cfg.eval.num_tasks else []
         self.env0 = env
-        self.audit = AuditLog(self.run_dir / "audit.jsonl" if self.rank0 else None)
+        # resumed: the records of iterations after the checkpoint are dropped (they are re-run), a torn line cut
+        self.audit = AuditLog(self.run_dir / "audit.jsonl" if self.rank0 else None,
+                              resume_iteration=self.start if resume else None)
         self.analyzer, self.analyzer_server = build_analyzer(cfg, self.audit, self.run_dir) if self.rank0 \
             else (None, None)
         # Analyzer output is untrusted: every skill is cut to analyzer.max_skill_tokens tokens (cut_analyses), so a
@@ -453,18 +505,12 @@ class Trainer:
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
-        self.skills_truncated = 0  # skills of the current iteration's analyses cut to analyzer.max_skill_tokens
         self.deadline_failures = 0  # analyses of the current iteration that missed analyzer.deadline_s
-        self.start = 0
+        self.skills_truncated = 0  # skills of the current iteration's analyses cut to analyzer.max_skill_tokens
         self.current = 0  # the iteration in progress (0: none yet)
-        if resume:
-            from opid_mega.megatron.checkpoint import latest_step
-
-            if latest_step(self.ckpt_dir) is None:
-                raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint in {self.ckpt_dir}")
-            self.start, state = self.policy.load(self.ckpt_dir)
-            self.skill_bank = state.get("skill_bank", {})
-            self.analysis_failures = state.get("analysis_failures", 0)
+        if resume:  # the checkpoint's trainer state (loaded above)
+            self.skill_bank = resumed.get("skill_bank", {})
+            self.analysis_failures = resumed.get("analysis_failures", 0)
         # colocated on GPU: a resumed optimizer's Adam moments go to the host before the rollout servers start
         # (SGLang sizes its KV cache from the memory free then, as opid-plan assumes; during rollout they are on the
         # host anyway, see Colocation)
@@ -473,16 +519,25 @@ class Trainer:
 
             Colocation(cfg, self.policy, None).before_sync()
         # every node's first rank launches that node's rollout servers; global rank 0 drives all of them
-        self.servers = launch_node_servers(cfg, hf_dir) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else []
-        urls = gather_server_urls(self.servers)
-        self.engine = build_engine(cfg, hf_dir, self.servers, urls) if self.rank0 else None
+        # one random API key per run for every server and the router it launches (rank 0 draws it; it travels only
+        # over the control group and into the servers through a pipe: opid_mega.keyed), the servers bound to the
+        # node's cluster address (deploy.bind_host)
+        from opid_mega.hosts import run_api_key
+
+        self.api_key = broadcast(run_api_key)
+        self.servers = launch_node_servers(cfg, hf_dir, self.api_key) \
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0 else []
+        self.server_map = gather_servers(cfg, self.servers)
+        urls = [srv["url"] for srv in self.server_map["servers"]]
+        self.engine = build_engine(cfg, hf_dir, self.servers, urls, api_key=self.api_key) if self.rank0 else None
         self.loop = build_agent_loop(cfg, self.engine, self.tokenizer, hf_dir) if self.rank0 else None
         wait_for_rank0()  # rank 0 may have spent minutes launching servers
         from opid_mega.megatron.weight_sync import WeightSync
 
         from opid_mega.megatron.colocate import Colocation
 
-        self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer)
+        self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer,
+                                      servers=self.server_map, own=self.servers, api_key=self.api_key)
         self.colocation = Colocation(cfg, self.policy, self.engine)  # no-op unless colocated on GPU
         if resume:
             self.sync_weights(self.start)
@@ -515,7 +570,8 @@ class Trainer:
                 wait_for_rank0()  # before the checkpoint's collectives: rank 0 may have been evaluating
                 if cfg.train.save_interval and (it % cfg.train.save_interval == 0 or it == cfg.train.iterations):
                     self.policy.save(self.ckpt_dir, it, {"skill_bank": self.skill_bank,
-                                                         "analysis_failures": self.analysis_failures})
+                                                         "analysis_failures": self.analysis_failures},
+                                     meta={"config": json.dumps(self.config_digest)})
         finally:
             self.close()
 
@@ -645,8 +701,8 @@ class Trainer:
             "analysis/failure_rate": (len(analyses) - len(analyzed)) / len(analyses) if cfg.algo.needs_analysis
             else None,
             "analysis/failures_total": self.analysis_failures,
-            "analysis/skills_truncated": self.skills_truncated if cfg.algo.needs_analysis else None,
             "analysis/deadline_failures": self.deadline_failures if cfg.algo.needs_analysis else None,
+            "analysis/skills_truncated": self.skills_truncated if cfg.algo.needs_analysis else None,
             "ppo/clipfrac": ppo.get("clipfrac"),
             "ppo/kl": ppo.get("kl"),
             "ppo/approx_kl": ppo.get("approx_kl"),
@@ -814,12 +870,13 @@ class Trainer:
                     pass
 
 
-def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False) -> Path:
-    """Build the trainer and run it; the servers it launched are shut down however it ends. Ctrl-C raises
-    :class:`TrainingInterrupted` naming the iteration it stopped in and the last checkpoint."""
+def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False, **trainer_kw) -> Path:
+    """Build the trainer (`trainer_kw`: Trainer's resume_overrides / config_digest) and run it; the servers it
+    launched are shut down however it ends. Ctrl-C raises :class:`TrainingInterrupted` naming the iteration it
+    stopped in and the last checkpoint."""
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir, resume)
+        trainer = Trainer(cfg, run_dir, resume, **trainer_kw)
         trainer.fit()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.shutdown.Interrupted)
         from opid_mega import shutdown

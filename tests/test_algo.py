@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from opid_mega.algo import (
+    agg_loss,
     combine_advantages,
     entropy_from_logits,
     kl_penalty,
@@ -83,18 +84,33 @@ def test_skill_delta_matches_reference(seed, normalize, clip):
                 continue
             d = (skill[i, j] - orig[i, j]).item()
             if normalize:
-                d = (d - mu) / sd
+                d = (d - mu) / (sd + 1e-6)  # the reference's (Δ − μ)/(σ + ε), ε = 1e-6
             if clip is not None:
                 d = max(-clip, min(clip, d))
             assert got[i, j].item() == pytest.approx(d, rel=1e-12, abs=1e-12)
 
 
-def test_skill_delta_constant_normalizes_mean_only_and_stops_gradient():
+def test_skill_delta_normalisation_has_the_epsilon():
+    """(Δ − μ)/(σ + ε) (OPID.md "More reference facts"), worked by hand: valid Δ = 0 and 2e-6 (a third token is
+    masked out) give μ = 1e-6 and population σ = 1e-6, so with ε = 1e-6 the normalised values are ∓1e-6 / 2e-6 =
+    ∓0.5 (a plain z-score would give ∓1); Δ = 1, 2, 3, 6 give μ = 3, σ = √3.5, the last one 3 / (√3.5 + 1e-6)."""
+    orig = torch.zeros(1, 3, dtype=torch.float64)
+    d = skill_delta(torch.tensor([[0.0, 2e-6, 5.0]], dtype=torch.float64), orig,
+                    torch.tensor([[True, True, False]]), normalize=True)
+    assert d[0, 0].item() == pytest.approx(-0.5, rel=1e-9) and d[0, 1].item() == pytest.approx(0.5, rel=1e-9)
+    assert d[0, 2].item() == 0.0
+    d = skill_delta(torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64),
+                    torch.ones(1, 4), normalize=True)
+    assert d[0, 3].item() == pytest.approx(3 / (math.sqrt(3.5) + 1e-6), rel=1e-12)
+    assert d[0, 0].item() == pytest.approx(-2 / (math.sqrt(3.5) + 1e-6), rel=1e-12)
+
+
+def test_skill_delta_constant_normalizes_to_zero_and_stops_gradient():
     skill = torch.full((3, 4), -1.0, requires_grad=True)
     orig = torch.full((3, 4), -1.5)
     mask = torch.ones(3, 4)
     d = skill_delta(skill, orig, mask, normalize=True)
-    assert torch.all(d == 0) and not d.requires_grad
+    assert torch.all(d == 0) and not d.requires_grad  # (Δ − μ) = 0 exactly, divided by 0 + ε
     with pytest.raises(ValueError, match="same shape"):
         skill_delta(skill, orig[:, :2], mask)
 
@@ -145,7 +161,7 @@ def ref_ppo(lp, olp, adv, mask, cl, ch, c, agg):
     for i in range(rows):
         row = []
         for j in range(cols):
-            r = math.exp(max(-20, min(20, lp[i][j] - olp[i][j])))
+            r = math.exp(lp[i][j] - olp[i][j])  # the reference does not clamp the log-ratio
             a = adv[i][j]
             l1, l2 = -a * r, -a * min(max(r, 1 - cl), 1 + ch)
             l = max(l1, l2)
@@ -199,6 +215,65 @@ def test_ppo_loss_is_zero_ratio_one_at_step_zero():
     loss, m = ppo_policy_loss(old.clone(), old, adv, torch.ones(3, 5))
     assert m["approx_kl"].item() == 0.0 and m["clipfrac"].item() == 0.0
     assert loss.item() == pytest.approx(-adv.mean().item())
+
+
+def test_loss_aggregations_worked_by_hand():
+    """OPID.md "More reference facts", loss aggregation, on a hand-worked split. One rank, two micro-batches with 3
+    and 1 valid tokens (per-token losses 1, 2, 6 | 4; a masked-out 100 in the second):
+      token-mean-micro (the reference's): [(1 + 2 + 6)/3 + 4/1] / 2 = (3 + 4)/2 = 3.5;
+      token-mean (ours): (1 + 2 + 6 + 4)/4 = 3.25.
+    Two data-parallel ranks, rank 0 as above and rank 1 with micro-batches 2, 8 | 5 (GA = 2 on each):
+      reference: 1/2 [ (3 + 4)/2 + (5 + 5)/2 ] = 4.25;  ours: (13 + 15)/7 = 4.0."""
+    loss = torch.tensor([1.0, 2.0, 6.0, 4.0, 100.0], dtype=torch.float64)
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    micro = torch.tensor([0, 0, 0, 1, 1])
+    assert agg_loss(loss, mask, "token-mean-micro", micro_ids=micro).item() == 3.5
+    assert agg_loss(loss, mask, "token-mean").item() == 3.25
+    loss2 = torch.cat([loss, torch.tensor([2.0, 8.0, 5.0], dtype=torch.float64)])
+    mask2 = torch.cat([mask, torch.ones(3, dtype=torch.long)])
+    micro2 = torch.cat([micro, torch.tensor([2, 2, 3])])  # rank 1's micro-batches: ids 2 and 3
+    assert agg_loss(loss2, mask2, "token-mean-micro", micro_ids=micro2).item() == 4.25
+    assert agg_loss(loss2, mask2, "token-mean").item() == 4.0
+    # a micro-batch with no valid token is not counted; no micro_ids: the input is one micro-batch
+    assert agg_loss(loss, mask, "token-mean-micro", micro_ids=torch.tensor([0, 0, 0, 1, 2])).item() == 3.5
+    assert agg_loss(loss, mask, "token-mean-micro").item() == 3.25
+    with pytest.raises(ValueError, match="micro_ids"):
+        agg_loss(loss, mask, "token-mean-micro", micro_ids=torch.zeros(3, dtype=torch.long))
+    # through the PPO loss: ratio 1 (logp = old), so the per-token loss is -A
+    adv = -loss
+    got, _ = ppo_policy_loss(torch.zeros(5), torch.zeros(5), adv, mask.double(), agg="token-mean-micro",
+                             micro_ids=micro)
+    assert got.item() == 3.5
+
+
+def test_reference_micro_batch_weights_worked_by_hand():
+    """train.micro_batch_size (token-mean-micro): the mini-batch's step-samples in order, 2 per micro-batch.
+    Response lengths 3, 1 | 2: K = 2 micro-batches of 4 and 2 tokens, weights 1/(2*4) and 1/(2*2); with per-token
+    losses 1, 2, 6, 4 | 5, 5 the weighted sum is 13/8 + 10/4 = 4.125 = [(13/4) + (10/2)] / 2."""
+    import numpy as np
+
+    from opid_mega.algo import reference_micro_weights
+
+    w = reference_micro_weights(np.array([3, 1, 2]), 2)
+    assert w.tolist() == [0.125] * 4 + [0.25] * 2
+    assert float(np.dot(w, [1, 2, 6, 4, 5, 5])) == 4.125
+    # a step-sample without response tokens weighs nothing and a micro-batch without tokens is not counted
+    assert reference_micro_weights(np.array([0, 0, 2, 2]), 2).tolist() == [0.25] * 4
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        reference_micro_weights(np.array([1]), 0)
+
+
+def test_log_ratio_not_clamped_by_default():
+    """The reference does not clamp the PPO log-ratio (OPID.md "More reference facts"): at log-ratio 25 with A = -1
+    and no dual clip the loss is e^25 (with the optional ±20 clamp, e^20)."""
+    logp, old, adv, mask = torch.tensor([25.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64), \
+        -torch.ones(1, dtype=torch.float64), torch.ones(1)
+    loss, m = ppo_policy_loss(logp, old, adv, mask, dual_clip=None)
+    assert loss.item() == pytest.approx(math.exp(25), rel=1e-12) and m["approx_kl"].item() == -25.0
+    loss, _ = ppo_policy_loss(logp, old, adv, mask, dual_clip=None, log_ratio_clamp=20.0)
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-12)
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        ppo_policy_loss(logp, old, adv, mask, log_ratio_clamp=0.0)
 
 
 @pytest.mark.parametrize("kind", ["low_var_kl", "k1", "k2", "mse"])

@@ -122,4 +122,5 @@ def test_tp2pp2_config_is_the_tiny_config_in_another_layout():
     one = dataclasses.asdict(load_config(os.path.join(root, "tiny_cpu.yaml")))
     four = dataclasses.asdict(load_config(os.path.join(root, "tiny_cpu_tp2pp2.yaml")))
     diff = sorted(f"{sec}.{k}" for sec in one for k in one[sec] if one[sec][k] != four[sec][k])
-    assert diff == ["logging.run_dir", "parallel.pp", "parallel.tp"]
+    # the layout: TP x PP and the ranks per node the launchers start for it (deploy.gpus_per_node on CPU)
+    assert diff == ["deploy.gpus_per_node", "logging.run_dir", "parallel.pp", "parallel.tp"]

@@ -9,7 +9,8 @@ from opid_mega.algo.advantage import (
     step_scores,
 )
 from opid_mega.algo.divergence import DELTA_KINDS, delta_baseline, divergence_delta, distill_loss, topk_kl_orig_skill
-from opid_mega.algo.loss import agg_loss, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss
+from opid_mega.algo.loss import (agg_loss, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss,
+                                 reference_micro_weights)
 from opid_mega.algo.routing import EPISODE, SKILL_KINDS, STEP, route_skills
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "masked_mean",
     "outcome_advantage",
     "ppo_policy_loss",
+    "reference_micro_weights",
     "route_skills",
     "skill_delta",
     "step_scores",

@@ -6,6 +6,8 @@ from typing import Mapping, Optional
 import torch
 
 OUTCOME_MODES = ("mean_std_norm", "mean_norm")
+# ε of the Δ normalisation (Δ − μ)/(σ + ε) (OPID.md "More reference facts"; the outcome advantage's 1e-6)
+DELTA_NORM_EPS = 1e-6
 
 
 def step_scores(episode_rewards: torch.Tensor, invalid: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -70,25 +72,28 @@ def skill_delta(
     mask: torch.Tensor,
     normalize: bool = False,
     clip: Optional[float] = None,
+    eps: float = DELTA_NORM_EPS,
 ) -> torch.Tensor:
     """Δ_t = log π_old(y_t | h ⊕ s) - log π_old(y_t | h), zero where `mask` is 0 (OPID.md §6). No gradient.
 
-    `normalize`: batch z-score over the valid tokens (population std; only the mean is removed when std <= 1e-6).
-    `clip`: then clamp to [-clip, clip]. Both off by default, as in the paper's runs.
+    `normalize`: (Δ − μ)/(σ + eps) over the valid tokens, μ and σ (population) of those tokens, as the reference
+    (OPID.md "More reference facts"). `clip`: then clamp to [-clip, clip]. Both off by default, as in the paper's
+    runs.
     """
     if skill_logp.shape != orig_logp.shape or mask.shape != orig_logp.shape:
         raise ValueError(f"skill_delta: skill_logp {tuple(skill_logp.shape)}, orig_logp {tuple(orig_logp.shape)} and "
                          f"mask {tuple(mask.shape)} must have the same shape")
     if clip is not None and clip <= 0:
         raise ValueError(f"skill_delta: clip={clip} must be > 0 or None")
+    if not eps > 0:
+        raise ValueError(f"skill_delta: eps={eps} must be > 0")
     m = mask.to(torch.bool)
     delta = torch.where(m, (skill_logp - orig_logp).detach(), torch.zeros_like(orig_logp))
     if normalize and bool(m.any()):
         valid = delta[m]
         mean = valid.mean()
         std = valid.std(unbiased=False)
-        delta = delta - mean if std <= 1e-6 else (delta - mean) / std
-        delta = torch.where(m, delta, torch.zeros_like(delta))
+        delta = torch.where(m, (delta - mean) / (std + eps), torch.zeros_like(delta))
     if clip is not None:
         delta = delta.clamp(-clip, clip)
     return delta

@@ -28,7 +28,7 @@ from opid_mega.scoring.layout import (
 )
 
 OUTCOME_MODES = ("mean_std_norm", "mean_norm")
-STD_FLOOR = 1e-6
+DELTA_NORM_EPS = 1e-6  # ε of the Δ normalisation (Δ − μ)/(σ + ε), = opid_mega.algo.advantage.DELTA_NORM_EPS
 MAX_BINS = 1 << 20
 
 
@@ -175,13 +175,13 @@ def outcome_advantage(scores, group_ids, mode: str = "mean_std_norm", eps: float
 
 
 def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks: Sequence[np.ndarray],
-                     lambdas: Sequence[float], normalize: bool = False, clip: Optional[float] = None) -> np.ndarray:
+                     lambdas: Sequence[float], normalize: bool = False, clip: Optional[float] = None,
+                     eps: float = DELTA_NORM_EPS) -> np.ndarray:
     """Per response token A = A_out + Σ_k λ_k Δ'_k (OPID.md §6-7), float32 flat over responses (sample order).
 
     `deltas[k]` float32/float64 [sum resp_lens]: raw Δ of skill type k (skill log-prob - original log-prob);
-    `masks[k]` bool/uint8 [S]: samples routed to type k (Δ'_k = 0 elsewhere). `normalize`: z-score of Δ_k over its
-    valid tokens (population std, exact sums; only the mean is removed when std <= 1e-6); `clip`: then clamp to
-    ±clip. λ_k = 0 skips type k; λ_k < 0 is an error. Arithmetic in float64, rounded to float32 at the end.
+    `masks[k]` bool/uint8 [S]: samples routed to type k (Δ'_k = 0 elsewhere). `normalize`: (Δ_k − μ)/(σ + eps) over
+    its valid tokens (μ, population σ from exact sums; the reference's form); `clip`: then clamp to ±clip. λ_k = 0 skips type k; λ_k < 0 is an error. Arithmetic in float64, rounded to float32 at the end.
     """
     check_array("outcome_adv", outcome_adv, (np.float32, np.float64))
     check_array("resp_lens", resp_lens, (np.int64,), outcome_adv.size)
@@ -192,6 +192,8 @@ def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks
                          "the same length")
     if clip is not None and not clip > 0:
         raise ValueError(f"clip={clip} must be > 0 or None")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps} must be finite and > 0")
     total = int(resp_lens.sum())
     adv = np.repeat(outcome_adv.astype(np.float64), resp_lens)
     for k, (delta, mask, lam) in enumerate(zip(deltas, masks, lambdas)):
@@ -209,8 +211,7 @@ def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks
             v = d[valid]
             mu = math.fsum(v.tolist()) / n
             std = math.sqrt(math.fsum(((v - mu) ** 2).tolist()) / n)
-            d = d - mu if std <= STD_FLOOR else (d - mu) / std
-            d = np.where(valid, d, 0.0)
+            d = np.where(valid, (d - mu) / (std + eps), 0.0)
         if clip is not None:
             d = np.minimum(np.maximum(d, -float(clip)), float(clip))
         if lam != 0.0:

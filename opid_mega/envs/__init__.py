@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Optional
 
 from opid_mega.envs.base import Env, EnvError, Task
-from opid_mega.envs.prompts import (CLOSING_ANCHOR, PROMPT_BUILDERS, build_prompt, format_response,
-                                    get_prompt_builder, parse_action, project_action)
+from opid_mega.envs.prompts import (CLOSING_ANCHOR, DEFAULT_TEMPLATE, PROMPT_BUILDERS, TEMPLATES, build_prompt,
+                                    format_response, get_prompt_builder, parse_action, project_action)
 
 ENV_NAMES = ("textworld", "alfworld", "search_qa", "webshop")
 DEFAULT_ENV = "textworld"  # the offline default
@@ -42,13 +42,15 @@ DEFAULT_STEP_TIMEOUT_S = 60.0  # = EnvConfig.step_timeout_s
 
 def env_factory(env_cfg):
     """A zero-argument callable that builds one env as a config's `env` section says (name, max_steps, options,
-    step_timeout_s). `env.options.process` (true/false) overrides where it runs (make_env)."""
+    step_timeout_s, template). `env.options.process` (true/false) overrides where it runs (make_env)."""
     opts = dict(env_cfg.options)
-    return lambda: make_env(env_cfg.name, max_steps=env_cfg.max_steps, step_timeout_s=env_cfg.step_timeout_s, **opts)
+    template = getattr(env_cfg, "template", DEFAULT_TEMPLATE)
+    return lambda: make_env(env_cfg.name, max_steps=env_cfg.max_steps, step_timeout_s=env_cfg.step_timeout_s,
+                            template=template, **opts)
 
 
 def make_env(name: str, process: Optional[bool] = None, step_timeout_s: Optional[float] = DEFAULT_STEP_TIMEOUT_S,
-             **options) -> Env:
+             template: str = DEFAULT_TEMPLATE, **options) -> Env:
     """Build one environment instance (one episode at a time). See each backend for its options.
 
     process: run it in a worker process (`ProcessEnv`, same protocol); None (the default) = True for TextWorld and
@@ -57,8 +59,12 @@ def make_env(name: str, process: Optional[bool] = None, step_timeout_s: Optional
     whose calls are serialised inside one process.
     step_timeout_s: the deadline of each reset/step (None: none). In-process, the call runs in a daemon thread that
     is abandoned past it (the env is then unusable); Search-QA is pure Python and WebShop's HTTP requests also
-    carry their own `timeout` option."""
+    carry their own `timeout` option.
+    template: the prompt template set, "reference" (default) or "ours" (opid_mega.envs.prompts; config
+    env.template); TextWorld's first observation ends with a task line under "reference", as ALFWorld's does."""
     key = name.lower().replace("-", "_")
+    if template not in TEMPLATES:
+        raise ValueError(f"env template must be one of {', '.join(TEMPLATES)}, got {template!r}")
     if key not in ENV_NAMES + ("search",):
         raise ValueError(f"unknown env {name!r}; expected one of {list(ENV_NAMES)}")
     if process is None:
@@ -71,11 +77,11 @@ def make_env(name: str, process: Optional[bool] = None, step_timeout_s: Optional
     if process:
         from opid_mega.envs.process import ProcessEnv
 
-        return ProcessEnv(key, step_timeout_s=step_timeout_s, **options)
+        return ProcessEnv(key, step_timeout_s=step_timeout_s, template=template, **options)
     if key == "textworld":
         from opid_mega.envs.textworld_env import TextWorldEnv
 
-        env = TextWorldEnv(**options)
+        env = TextWorldEnv(template=template, **options)
     elif key == "alfworld":
         from opid_mega.envs.alfworld_env import AlfWorldEnv
 
@@ -89,10 +95,12 @@ def make_env(name: str, process: Optional[bool] = None, step_timeout_s: Optional
 
         env = WebShopEnv(**options)
     env.step_timeout_s = step_timeout_s
+    env.prompt_template = template
     return env
 
 
 __all__ = [
-    "CLOSING_ANCHOR", "DEFAULT_ENV", "ENV_DEFAULTS", "ENV_NAMES", "Env", "EnvError", "PROMPT_BUILDERS", "Task", "build_prompt",
+    "CLOSING_ANCHOR", "DEFAULT_ENV", "ENV_DEFAULTS", "ENV_NAMES", "Env", "EnvError", "PROMPT_BUILDERS", "TEMPLATES",
+    "Task", "build_prompt",
     "format_response", "get_prompt_builder", "make_env", "parse_action", "project_action",
 ]

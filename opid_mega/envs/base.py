@@ -85,6 +85,8 @@ class Env:
     default_max_steps: int = 30
     default_success_reward: float = 10.0
     noop_action: str = ""  # what the agent loop steps for a response without an action: see the module docstring
+    # Prompt template set (prompts.TEMPLATES: "reference" | "ours"; config env.template); make_env sets it
+    prompt_template: str = prompts.DEFAULT_TEMPLATE
     # Deadline (seconds) of each reset/step, run in a daemon thread (None: the call runs in the caller's thread, no
     # limit). make_env sets it; see the module docstring.
     step_timeout_s: Optional[float] = None
@@ -217,7 +219,7 @@ class Env:
         """The step prompt for the current state (see `prompts.build_prompt`)."""
         return prompts.build_prompt(
             self.prompt_family, self.task_description, history, current_obs, self.admissible_actions,
-            history_length=history_length, step_count=self._steps)
+            history_length=history_length, step_count=self._steps, template=self.prompt_template)
 
     # ---- properties ---------------------------------------------------------------------------------------------
     @property

@@ -37,7 +37,7 @@ from typing import Any, Optional
 from opid_mega.envs import prompts
 from opid_mega.envs.base import EnvError, EnvTimeout, Task, _preview
 
-_STATIC = ("name", "family", "prompt_family", "noop_action", "max_steps", "success_reward")
+_STATIC = ("name", "family", "prompt_family", "noop_action", "max_steps", "success_reward", "prompt_template")
 _PROPERTIES = ("admissible_actions", "won", "done", "task", "task_description", "steps", "raw_obs") + _STATIC
 _OPTIONAL = ("task_pool", "prepare", "unprepared")  # forwarded only when the env in the worker has them
 _TASK_CALLS = frozenset(("tasks",) + _OPTIONAL)  # calls under `timeout` (they may generate games), not step_timeout_s

@@ -1,13 +1,28 @@
 """Step prompt templates (verl-agent style), action projection and invalid-action detection (the reference's rules:
 `project_action`).
 
+Two template sets (`env.template`, the builders' `template=` argument):
+  * "reference" (default): the shapes OPID.md "More reference facts" (Environment templates) describes.
+    ALFWorld step 0 has no history and no task line of its own: ALFWorld's first observation ends with the task
+    line ("Your task is to: ..."), so the episode skill lands mid-prompt, right before the admissible-actions line.
+    TextWorld, our offline stand-in for ALFWorld, follows the same rule: its env ends the first observation with a
+    "Your task is to: <objective>" line, as ALFWorld's game does. Later steps open with the intro and the task line.
+    ALFWorld/TextWorld admissible actions are quoted and joined by a newline and a space. WebShop has a closing
+    paragraph of its own (one action that best advances the shopping goal), Search-QA too.
+  * "ours" (what this project used before; the first CPU experiment ran with it): every prompt opens with the
+    intro and the task line (step 0 too), ALFWorld/TextWorld actions are joined by ", ", and WebShop shares the
+    ALFWorld closing paragraph.
+The wording of the intro lines and closing paragraphs is this project's (the reference's text is not copied).
+
 Contract with the skill layer (opid_mega.skills):
-  * the FIRST LINE of every prompt is the task line (the episode skill is inserted right after it);
-  * the closing instruction paragraph starts at a line beginning with "Now it's your turn" (the step skill is
-    inserted right before it).
+  * the task line holds "Your task is to:" (Search-QA: "Your question:"); the episode skill is inserted right
+    after it (at ALFWorld/TextWorld step 0 under "reference", that is the last line of the first observation);
+  * the closing instruction paragraph begins with CLOSING_ANCHOR ("Now it's your turn to"), at the start of its
+    line, and is the first occurrence of that phrase in the template's own text (the step skill goes before it).
 
 Every builder has the signature
-    build(task_description, history, current_obs, admissible_actions, history_length, step_count) -> str
+    build(task_description, history, current_obs, admissible_actions, history_length, step_count,
+          template="reference") -> str
 where `history` is the list of ALL previous (observation, action) pairs of the episode, oldest first (the builder
 keeps the last `history_length`), `current_obs` the observation to act on, and `step_count` the number of steps
 already taken.
@@ -17,13 +32,24 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional, Sequence
 
-CLOSING_ANCHOR = "Now it's your turn"
+CLOSING_ANCHOR = "Now it's your turn to"
+TEMPLATES = ("reference", "ours")
+DEFAULT_TEMPLATE = "reference"
 
 _ACTION_CLOSING = (
     "Now it's your turn to take an action.\n"
     "You should first reason step-by-step about the current situation. This reasoning process MUST be enclosed "
     "within <think> </think> tags.\n"
     "Once you've finished your reasoning, you should choose an admissible action for current step and present it "
+    "within <action> </action> tags."
+)
+
+# WebShop's own closing ("reference"): one action, the one that best advances the shopping goal
+_WEBSHOP_CLOSING = (
+    "Now it's your turn to take the one next action that brings you closest to the shopping goal.\n"
+    "You should first reason step-by-step about the current page and which admissible action best advances the "
+    "purchase. This reasoning process MUST be enclosed within <think> </think> tags.\n"
+    "Once you've finished your reasoning, choose exactly one admissible action for the current step and present it "
     "within <action> </action> tags."
 )
 
@@ -36,18 +62,35 @@ _SEARCH_CLOSING = (
     "The answer should be short, e.g. <answer> Beijing </answer>."
 )
 
-_INTROS = {
-    "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}",
-    "textworld": "You are an expert agent playing a TextWorld text adventure game. Your task is to: {task}",
-    "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment. "
-               "Your task is to: {task}",
-    "search": "You are an expert agent answering a question step by step with a search engine. "
-              "Your question: {task}",
+_AGENTS = {
+    "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
+    "textworld": "You are an expert agent playing a TextWorld text adventure game.",
+    "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment.",
+    "search": "You are an expert agent answering a question step by step with a search engine.",
 }
+_TASK_PHRASE = {"alfworld": "Your task is to:", "textworld": "Your task is to:", "webshop": "Your task is to:",
+                "search": "Your question:"}
+# "reference": ALFWorld's step-0 template has no task line (the task ends the first observation); TextWorld follows
+STEP0_WITHOUT_TASK_LINE = ("alfworld", "textworld")
 
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def task_line(family: str, task_description: str) -> str:
+    """The intro line holding the task phrase (the episode skill goes right after it)."""
+    return f"{_AGENTS[family]} {_TASK_PHRASE[family]} {_one_line(task_description)}"
+
+
+def first_observation_task_line(task_description: str) -> str:
+    """The line ALFWorld's first observation ends with, which TextWorld's env appends to its own."""
+    return f"Your task is to: {_one_line(task_description)}"
+
+
+def _check_template(template: str) -> None:
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {template!r}; allowed: {', '.join(TEMPLATES)}")
 
 
 def _window(history: Sequence[tuple[str, str]], history_length: int) -> tuple[int, list[tuple[str, str]]]:
@@ -59,10 +102,23 @@ def _window(history: Sequence[tuple[str, str]], history_length: int) -> tuple[in
     return start, [tuple(h) for h in history[start:]]
 
 
+def _actions(admissible_actions, family: str, template: str) -> str:
+    if family == "webshop":  # one per line, inside brackets of their own
+        acts = ",\n".join(f"'{a}'" for a in admissible_actions)
+        return f"Your admissible actions of the current situation are:\n[\n{acts}\n]."
+    sep = "\n " if template == "reference" else ", "
+    acts = sep.join(f"'{a}'" for a in admissible_actions)
+    return f"Your admissible actions of the current situation are: [{acts}]."
+
+
 def _action_prompt(family: str, task_description: str, history, current_obs: str, admissible_actions,
-                   history_length: int, step_count: int, one_per_line: bool = False) -> str:
+                   history_length: int, step_count: int, template: str = DEFAULT_TEMPLATE) -> str:
+    _check_template(template)
     start, window = _window(history, history_length)
-    lines = [_INTROS[family].format(task=_one_line(task_description))]
+    if template == "reference" and family in STEP0_WITHOUT_TASK_LINE and step_count == 0:
+        lines = [_AGENTS[family]]  # the task line is the last line of the first observation
+    else:
+        lines = [task_line(family, task_description)]
     if window:
         lines.append(
             f"Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
@@ -73,36 +129,38 @@ def _action_prompt(family: str, task_description: str, history, current_obs: str
         lines.append(f"You are now at step {step_count + 1} and your current observation is: {current_obs.strip()}")
     else:
         lines.append(f"Your current observation is: {current_obs.strip()}")
-    if one_per_line:
-        acts = ",\n".join(f"'{a}'" for a in admissible_actions)
-        lines.append(f"Your admissible actions of the current situation are:\n[\n{acts}\n].")
-    else:
-        acts = ", ".join(f"'{a}'" for a in admissible_actions)
-        lines.append(f"Your admissible actions of the current situation are: [{acts}].")
-    return "\n".join(lines) + "\n\n" + _ACTION_CLOSING + "\n"
+    lines.append(_actions(admissible_actions, family, template))
+    closing = _WEBSHOP_CLOSING if family == "webshop" and template == "reference" else _ACTION_CLOSING
+    return "\n".join(lines) + "\n\n" + closing + "\n"
 
 
-def build_alfworld_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count):
+def build_alfworld_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
+                          template: str = DEFAULT_TEMPLATE):
     return _action_prompt("alfworld", task_description, history, current_obs, admissible_actions,
-                          history_length, step_count)
+                          history_length, step_count, template)
 
 
-def build_textworld_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count):
+def build_textworld_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
+                           template: str = DEFAULT_TEMPLATE):
     return _action_prompt("textworld", task_description, history, current_obs, admissible_actions,
-                          history_length, step_count)
+                          history_length, step_count, template)
 
 
-def build_webshop_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count):
+def build_webshop_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
+                         template: str = DEFAULT_TEMPLATE):
     return _action_prompt("webshop", task_description, history, current_obs, admissible_actions,
-                          history_length, step_count, one_per_line=True)
+                          history_length, step_count, template)
 
 
-def build_search_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count):
+def build_search_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
+                        template: str = DEFAULT_TEMPLATE):
     """Search-QA: `admissible_actions` is ignored (free-form <search>/<answer>). The window shows each past action
     followed by the observation it produced (the next observation; the last one is `current_obs`). At step 0 there
-    is no history and no observation line: the question is on the task line."""
+    is no history and no observation line: the question is on the task line. Both template sets build the same
+    Search-QA prompt."""
+    _check_template(template)
     start, window = _window(history, history_length)
-    lines = [_INTROS["search"].format(task=_one_line(task_description))]
+    lines = [task_line("search", task_description)]
     if window:
         lines.append(
             f"Prior to this step, you have already taken {step_count} step(s). Below is the recent interaction "
@@ -135,9 +193,23 @@ def get_prompt_builder(family: str) -> Callable[..., str]:
 
 
 def build_prompt(family: str, task_description: str, history, current_obs: str, admissible_actions,
-                 history_length: int, step_count: int) -> str:
+                 history_length: int, step_count: int, template: str = DEFAULT_TEMPLATE) -> str:
     return get_prompt_builder(family)(task_description, history, current_obs, admissible_actions,
-                                      history_length, step_count)
+                                      history_length, step_count, template=template)
+
+
+def template_fingerprint(template: str = DEFAULT_TEMPLATE, family: Optional[str] = None) -> str:
+    """A short hash of what the builders (of `family`, or all) render for fixed inputs under `template` (steps 0 and
+    2): it changes whenever a template's text changes, so caches built from tokenized prompts (the warm start's key,
+    opid_mega.sft.sft_key) follow the text."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for fam in ([family] if family else sorted(PROMPT_BUILDERS)):
+        for steps in (0, 2):
+            hist = [(f"o{i}", f"a{i}") for i in range(steps)]
+            h.update(build_prompt(fam, "t", hist, "o", ["x", "y"], 5, steps, template).encode())
+    return h.hexdigest()[:16]
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------------

@@ -167,8 +167,13 @@ class TextWorldEnv(TextWorldGameEnv):
     def __init__(self, challenges=("coin_collector", "treasure_hunter", "simple", "cooking"),
                  difficulties=("easy",), pool_size: Optional[dict] = None, cache_dir: Optional[str] = None,
                  max_steps: Optional[int] = None, success_reward: Optional[float] = None,
-                 admissible_only: bool = True):
+                 admissible_only: bool = True, template: str = "reference"):
         super().__init__(max_steps=max_steps, success_reward=success_reward)
+        from opid_mega.envs.prompts import TEMPLATES
+
+        if template not in TEMPLATES:
+            raise ValueError(f"textworld: template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+        self.prompt_template = template
         if not isinstance(admissible_only, bool):
             raise ValueError(f"textworld: admissible_only must be true or false, got {admissible_only!r}")
         self.admissible_only = admissible_only
@@ -249,8 +254,14 @@ class TextWorldEnv(TextWorldGameEnv):
         self._score = state.score or 0
         self._max_score = state.max_score
         raw = state.feedback or ""
-        return clean_observation(raw), raw, list(state.admissible_commands or []), " ".join(
-            (state.objective or "").split())
+        objective = " ".join((state.objective or "").split())
+        obs = clean_observation(raw)
+        if self.prompt_template == "reference" and objective:
+            # as ALFWorld's first observation: it ends with the task line (the reference's step-0 template has none)
+            from opid_mega.envs.prompts import first_observation_task_line
+
+            obs = f"{obs}\n\n{first_observation_task_line(objective)}"
+        return obs, raw, list(state.admissible_commands or []), objective
 
     def _step(self, action: str):
         """Only an admissible command reaches the game (jericho hangs on control characters and raises on a

@@ -1,8 +1,15 @@
 """Save / resume with megatron-core distributed checkpointing: model, optimizer, RNG state, step.
 
 Layout of ``<dir>/step_<N>/``: megatron's sharded checkpoint (model chunks ``model0..``, ``optimizer``, ``step``
-and ``extra``) plus ``rng/rank<R>.pt`` (this rank's python/torch(/cuda) RNG states). ``latest_step`` in ``<dir>``
-names the newest complete checkpoint (written last, so a run killed while saving resumes from the previous one).
+and ``extra``) plus ``rng/rank<R>.pt`` (this rank's python/torch(/cuda) RNG states). A save writes everything into
+``step_<N>.tmp/``, renames it to ``step_<N>`` once every rank is done (after the last barrier), and then writes
+``latest_step`` (atomically), which names the newest committed checkpoint. So a run killed while saving leaves a
+``step_<N>.tmp`` (or a ``step_<N>`` above ``latest_step``) that :func:`clean_uncommitted` removes at resume, and
+resumes from the previous one. Before a save the free disk space is checked against the size of the previous
+checkpoint (the first one: an estimate from the parameter and optimizer bytes): too little is a
+:class:`CheckpointError` naming both numbers, raised before anything is written. Loading without an explicit step
+takes the newest committed checkpoint that is complete (:func:`checkpoint_problem`: metadata, common state, tensor
+files, every rank's RNG file); an unreadable one is skipped with one warning line (:func:`select_step`).
 
 The model entries are megatron-core's own ``sharded_state_dict`` keys (``embedding.word_embeddings.weight``,
 ``decoder.layers.self_attention.linear_qkv.weight`` with the layers stacked on a leading axis, ...; the local spec's
@@ -16,21 +23,48 @@ with ``dist_checkpointing.load``, and :func:`export_megatron_lm` lays one of our
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
+import shutil
 import signal
+import sys
 import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from opid_mega.megatron import extra_state
 
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
+
+# Fault injection for the run-integrity tests: OPID_CKPT_FAULT="<point>[@<step>]" SIGKILLs the saving process at that
+# point of a save (of that step only, with @<step>). In-process tests may append callables (point, step, path) to
+# FAULT_HOOKS instead.
+FAULT_ENV = "OPID_CKPT_FAULT"
+FAULT_POINTS = ("tmp_made", "tensors_written", "rng_written", "before_rename", "renamed")
+FAULT_HOOKS: list = []
+DISK_FULL_BYTES = 4 << 20  # a save that fails with less free space than this failed for lack of space
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be saved (e.g. too little disk space); the message says why, with the numbers. The
+    previous committed checkpoint is untouched and nothing of the failed one is left behind."""
+
+
+def _fault(point: str, step: int, path: str) -> None:
+    for hook in FAULT_HOOKS:
+        hook(point, step, path)
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec:
+        name, _, at = spec.partition("@")
+        if name == point and (not at or int(at) == step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _unwrap(m):
@@ -131,30 +165,179 @@ def _fork_results_queue() -> None:
 
 
 def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], keep: int) -> str:
-    path = os.path.join(ckpt_dir, f"step_{step}")
+    final = os.path.join(ckpt_dir, f"step_{step}")
+    tmp = final + ".tmp"
     _fork_results_queue()
     rank = dist.get_rank()
+    check_disk_space(ckpt_dir, step, chunks, optimizer)  # a collective; raises on every rank, before any write
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     dist.barrier()
-    sd = _sharded_state(chunks, optimizer)
-    sd["step"] = step
-    sd["extra"] = extra or {}
-    sd["iteration"], sd["checkpoint_version"] = step, MEGATRON_LM_CHECKPOINT_VERSION  # what Megatron-LM reads
-    dist_checkpointing.save(sd, path)
+    _fault("tmp_made", step, tmp)
+    try:
+        sd = _sharded_state(chunks, optimizer)
+        sd["step"] = step
+        sd["extra"] = {**(extra or {}), "world_size": dist.get_world_size()}
+        sd["iteration"], sd["checkpoint_version"] = step, MEGATRON_LM_CHECKPOINT_VERSION  # what Megatron-LM reads
+        dist_checkpointing.save(sd, tmp)
+        _fault("tensors_written", step, tmp)
+        if rank == 0:
+            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        dist.barrier()
+        rng_file = os.path.join(tmp, "rng", f"rank{rank}.pt")
+        torch.save(_rng_state(), rng_file)
+        _fsync_file(rng_file)
+    except (Exception, CheckpointException) as exc:  # (torch's CheckpointException is a BaseException)
+        # torch's zip writer reports a short write as "unexpected pos ..." without the errno: a file system left
+        # (nearly) without space counts as full too
+        full = _is_disk_full(exc) or shutil.disk_usage(ckpt_dir).free < DISK_FULL_BYTES
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            free = shutil.disk_usage(ckpt_dir).free
+            raise CheckpointError(f"checkpoint step_{step}: no space left on the device of {ckpt_dir} while writing "
+                                  f"it ({free} bytes free now, after removing the partial {os.path.basename(tmp)}); "
+                                  f"{_last_words(ckpt_dir)}") from exc
+        raise
+    dist.barrier()  # every rank's part is on disk
+    _fault("rng_written", step, tmp)
     if rank == 0:
-        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    dist.barrier()
-    torch.save(_rng_state(), os.path.join(path, "rng", f"rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
+        _fault("before_rename", step, tmp)
+        old = final + ".old"
+        if os.path.exists(final):  # an uncommitted leftover of a killed run (above latest_step)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        _fault("renamed", step, final)
         with open(os.path.join(ckpt_dir, "latest_step.tmp"), "w") as f:
             f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(os.path.join(ckpt_dir, "latest_step.tmp"), os.path.join(ckpt_dir, "latest_step"))
+        _fsync_dir(ckpt_dir)
         if keep > 0:
             prune(ckpt_dir, keep)
     dist.barrier()
-    return path
+    return final
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """Whether an exception (or one it wraps: torch.distributed.checkpoint gathers each rank's) is ENOSPC / EDQUOT."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for f in (getattr(e, "failures", None) or {}).values():  # CheckpointException: {rank: (exc, traceback)}
+            todo.append(f[0] if isinstance(f, tuple) else f)
+    return False
+
+
+def _last_words(ckpt_dir: str) -> str:
+    last = latest_step(ckpt_dir)
+    return f"the last complete checkpoint is step_{last}" if last is not None else "no checkpoint was saved yet"
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes a directory tree takes on disk (file sizes, or allocated blocks where larger)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+    return total
+
+
+def _local_state_bytes(chunks, optimizer) -> tuple[int, int]:
+    """(model parameter bytes, optimizer state bytes) held by this rank."""
+    model = sum(p.numel() * p.element_size() for c in chunks for p in _unwrap(c).parameters())
+    opt = 0
+    for part in (getattr(optimizer, "chained_optimizers", None) or [optimizer]) if optimizer is not None else []:
+        inner = getattr(part, "optimizer", part)
+        for st in getattr(inner, "state", {}).values():
+            opt += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        for group in getattr(part, "shard_fp32_from_float16_groups", None) or \
+                getattr(part, "fp32_from_float16_groups", None) or []:
+            opt += sum(p.numel() * p.element_size() for p in group)
+    return model, opt
+
+
+def needed_bytes(ckpt_dir: str, chunks, optimizer) -> tuple[int, str]:
+    """Collective: (bytes the next checkpoint needs, where that number comes from): the size of the latest committed
+    checkpoint plus 1% and 1 MiB, or, before the first one, an estimate from every rank's parameter and optimizer
+    state bytes (data-parallel replicas counted once; a distributed optimizer's shards each)."""
+    last = latest_step(ckpt_dir) if dist.get_rank() == 0 else None
+    prev = os.path.join(ckpt_dir, f"step_{last}") if last is not None else None
+    model, opt = _local_state_bytes(chunks, optimizer)
+    if dist.get_world_size() > 1:
+        from megatron.core import parallel_state as ps
+
+        from opid_mega.megatron.parallel import control_group
+
+        dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        sharded = _optimizer_metadata(optimizer) is not None if optimizer is not None else False
+        t = torch.tensor([model / dp, opt if sharded else opt / dp], dtype=torch.float64)
+        dist.all_reduce(t, group=control_group())
+        model, opt = int(t[0]), int(t[1])
+    if prev is not None and os.path.isdir(prev):
+        size = dir_bytes(prev)
+        basis = f"the size of step_{last}"
+    else:
+        size = model + opt
+        basis = f"an estimate from the parameter ({model} bytes) and optimizer state ({opt} bytes)"
+    return int(size * 1.01) + (1 << 20), basis
+
+
+def check_disk_space(ckpt_dir: str, step: int, chunks, optimizer) -> None:
+    """Collective: raise :class:`CheckpointError` on every rank when the file system of ``ckpt_dir`` has less free
+    space than checkpoint ``step`` needs (:func:`needed_bytes`); decided by global rank 0."""
+    need, basis = needed_bytes(ckpt_dir, chunks, optimizer)
+    msg = None
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        free = shutil.disk_usage(ckpt_dir).free
+        if free < need:
+            msg = (f"checkpoint step_{step} needs about {need} bytes ({basis}) but {ckpt_dir} has only {free} bytes "
+                   f"free: nothing of it was written; {_last_words(ckpt_dir)}; free some space (or lower "
+                   "train.keep_checkpoints) and resume")
+    if dist.get_world_size() > 1:
+        from opid_mega.megatron.parallel import control_group
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=control_group())
+        msg = box[0]
+    if msg:
+        raise CheckpointError(msg)
 
 
 def saved_steps(ckpt_dir: str) -> list[int]:
@@ -186,18 +369,121 @@ def prune(ckpt_dir: str, keep: int) -> list[int]:
 
 
 def latest_step(ckpt_dir: str) -> Optional[int]:
+    """The step ``latest_step`` names (the newest committed checkpoint); None when there is none (or it is not a
+    number: it is written atomically, so that is foreign content)."""
     p = os.path.join(ckpt_dir, "latest_step")
-    if not os.path.exists(p):
+    try:
+        with open(p) as f:
+            text = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    with open(p) as f:
-        return int(f.read().strip())
+    return int(text) if text.isdigit() else None
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why the checkpoint directory ``path`` cannot be resumed from (a few words), or None when it is complete:
+    metadata.json, the common state (common.pt), torch's .metadata and every tensor file range it lists, and the RNG
+    file of every rank that saved it."""
+    if not os.path.isdir(path):
+        return "missing"
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return "no metadata.json"
+    except (OSError, ValueError):
+        return "unreadable metadata.json"
+    try:
+        common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return "no common.pt"
+    except Exception as e:  # noqa: BLE001 - any unpickling failure
+        return f"unreadable common.pt ({type(e).__name__})"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        return f"unreadable .metadata ({type(e).__name__})"
+    need: dict = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in need.items():
+        try:
+            if os.path.getsize(os.path.join(path, rel)) < size:
+                return f"truncated {rel}"
+        except OSError:
+            return f"no {rel}"
+    extra = common.get("extra") if isinstance(common, dict) else None
+    world = int(extra.get("world_size", 1)) if isinstance(extra, dict) else 1
+    for r in range(world):
+        f = os.path.join(path, "rng", f"rank{r}.pt")
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return f"no rng/rank{r}.pt"
+        except Exception as e:  # noqa: BLE001
+            return f"unreadable rng/rank{r}.pt ({type(e).__name__})"
+    return None
+
+
+def select_step(ckpt_dir: str) -> tuple[Optional[int], Optional[str]]:
+    """(the step to resume from, a warning line or None): the newest committed checkpoint (<= ``latest_step``; all of
+    them when latest_step is missing) that :func:`checkpoint_problem` finds complete. The warning names the newer
+    checkpoints skipped and why."""
+    latest = latest_step(ckpt_dir)
+    skipped = []
+    for s in reversed([s for s in saved_steps(ckpt_dir) if latest is None or s <= latest]):
+        why = checkpoint_problem(os.path.join(ckpt_dir, f"step_{s}"))
+        if why is None:
+            warn = None
+            if skipped:
+                warn = (f"warning: {'checkpoints' if len(skipped) > 1 else 'checkpoint'} "
+                        f"{', '.join(f'step_{k} ({w})' for k, w in skipped)} in {ckpt_dir} unreadable; "
+                        f"resuming from step_{s}, the newest complete one")
+            return s, warn
+        skipped.append((s, why))
+    if skipped:
+        return None, (f"warning: no complete checkpoint in {ckpt_dir}: "
+                      f"{', '.join(f'step_{k} ({w})' for k, w in skipped)}")
+    return None, None
+
+
+def clean_uncommitted(ckpt_dir: str) -> list[str]:
+    """Remove what a killed save left behind: ``step_<N>.tmp`` / ``step_<N>.old`` directories, ``latest_step.tmp``,
+    and ``step_<N>`` directories above ``latest_step`` (renamed but not yet committed). Nothing is removed above a
+    missing latest_step except the temporaries. Returns the names removed. (Global rank 0 only.)"""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    latest = latest_step(ckpt_dir)
+    removed = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        full = os.path.join(ckpt_dir, name)
+        base, dot, suffix = name.partition(".")
+        temp = base.startswith("step_") and base[5:].isdigit() and dot and suffix in ("tmp", "old")
+        above = name.startswith("step_") and name[5:].isdigit() and latest is not None and int(name[5:]) > latest
+        if temp or above:
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(name)
+        elif name == "latest_step.tmp":
+            os.remove(full)
+            removed.append(name)
+    if removed:
+        _fsync_dir(ckpt_dir)
+    return removed
 
 
 def load(ckpt_dir: str, chunks, optimizer=None, step: Optional[int] = None) -> tuple[int, dict]:
-    """Collective: restore model, optimizer and RNG from ``step`` (default: the latest). Returns (step, extra)."""
-    step = latest_step(ckpt_dir) if step is None else step
+    """Collective: restore model, optimizer and RNG from ``step`` (default: the newest complete committed checkpoint,
+    :func:`select_step`; global rank 0 prints its warning line when it skips one). Returns (step, extra)."""
     if step is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (missing latest_step)")
+        step, warn = select_step(ckpt_dir)
+        if warn and dist.get_rank() == 0:
+            print(f"opid-train: {warn}", file=sys.stderr, flush=True)
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir}")
     path = os.path.join(ckpt_dir, f"step_{step}")
     sd = _sharded_state(chunks, optimizer, is_loading=True)
     # extra states the checkpoint lacks (written without TE's, or before PackedCoreAttention had its own) load as None
@@ -218,7 +504,7 @@ def load(ckpt_dir: str, chunks, optimizer=None, step: Optional[int] = None) -> t
             for st in getattr(inner, "state", {}).values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].clone()
-    _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=False))
+    _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=True))
     return int(loaded["step"]), loaded.get("extra", {})
 
 
@@ -293,7 +579,7 @@ def export_megatron_lm(ckpt_dir: str, out_dir: str, step: Optional[int] = None) 
         meta = json.load(f)
     if meta.get("common_backend", "torch") != "torch":
         raise ValueError(f"{src}: common state backend {meta.get('common_backend')!r} (expected torch)")
-    common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=False)
+    common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=True)
     it = int(common.get("step", common.get("iteration", 0))) if step is None else step
     dst = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(dst):

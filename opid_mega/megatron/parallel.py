@@ -89,10 +89,46 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
 
 def control_group():
     """A gloo group over every rank with a long timeout (deploy.control_timeout_s): the channel on which ranks wait
-    for work that only global rank 0 does (rollout, analysis, evaluation) and receive its result as Python objects.
+    for work that only global rank 0 does (rollout, analysis, evaluation) and receive its result as Python objects
+    (:func:`broadcast`, :func:`wait_for_rank0`, :func:`all_gather_control`).
     Waiting there cannot trip the training groups' timeout (deploy.train_timeout_s), however long rank 0 takes; on
     GPU it keeps NCCL's watchdog out of it too. None in a single process or before :func:`initialize`."""
     return _CONTROL
+
+
+def broadcast(produce):
+    """`produce()` on global rank 0, its result (or its error) sent to every rank over the control group
+    (:func:`control_group`: gloo, deploy.control_timeout_s), so the other ranks may wait for rank 0's rollout and
+    analysis far longer than the training groups' timeout. Single process: just the call."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return produce()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", produce())]
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+            box = [("error", exc)]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here, on the control group, until global rank 0 has finished work only it does (launching
+    servers, evaluation): the next training collective then starts together on every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=control_group())
+
+
+def all_gather_control(obj) -> list:
+    """Every rank's `obj`, in rank order, over the control group (a collective; single process: [obj])."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=control_group())
+    return out
 
 
 def destroy() -> None:

@@ -52,6 +52,7 @@ class Policy:
         self.loss_cfg = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                                    kl_coef=a.kl_coef if self.reference else 0.0, kl_kind=a.kl_kind,
                                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
+                                   log_ratio_clamp=a.log_ratio_clamp,
                                    temperature=cfg.rollout.temperature,  # new log-probs at the sampling T
                                    distill_coef=a.distill_coef)
 
@@ -119,12 +120,16 @@ class Policy:
 
     def train(self, data, seed: int) -> dict:
         """train.ppo_epochs epochs over the step-samples of ``data`` (`TrainData`) in mini-batches of
-        train.mini_batch_size step-samples (one optimizer step each, seeded shuffle). Each mini-batch is packed by the
+        train.mini_batch_size step-samples (one optimizer step each): consecutive step-samples in rollout order, as
+        the reference takes them, or (train.shuffle_minibatches) after a shuffle seeded by ``seed`` before each
+        epoch. Each mini-batch is packed by the
         C++ batch builder into micro-batches of train.micro_batch_tokens tokens balanced over the data-parallel ranks;
-        every rank trains on its share and Megatron's DDP reduces the gradients."""
+        every rank trains on its share and Megatron's DDP reduces the gradients. algo.loss_agg=token-mean-micro with
+        train.micro_batch_size > 0: the loss is aggregated over the reference's micro-batches (that many consecutive
+        step-samples of the mini-batch each; opid_mega.algo.reference_micro_weights), whatever the packing."""
         from megatron.core import parallel_state as ps
 
-        from opid_mega.megatron.train_step import train_mini_batch
+        from opid_mega.megatron.train_step import loss_micro_batches, train_mini_batch
 
         order = list(range(data.num_samples))
         rng = random.Random(seed)
@@ -133,11 +138,13 @@ class Policy:
         n = 0
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         for _ in range(self.cfg.train.ppo_epochs):
-            rng.shuffle(order)
+            if self.cfg.train.shuffle_minibatches:
+                rng.shuffle(order)
             mb = self.cfg.train.mini_batch_size
             for start in range(0, len(order), mb):
-                batches = data.subset(order[start:start + mb]).micro_batches(self.cfg.train.micro_batch_tokens,
-                                                                             dp, rank)
+                micro = self.cfg.train.micro_batch_size if self.cfg.algo.loss_agg == "token-mean-micro" else 0
+                batches = loss_micro_batches(data.subset(order[start:start + mb]),
+                                             self.cfg.train.micro_batch_tokens, dp, rank, micro)
                 m = train_mini_batch(self.ddp, self.optimizer, [], self.cfg.train.micro_batch_tokens, self.loss_cfg,
                                      batches=batches)
                 if first_kl is None:
@@ -156,10 +163,13 @@ class Policy:
         for bucket in export_hf_weights(self.chunks, self.hf_config):
             yield from bucket
 
-    def save(self, ckpt_dir: str, step: int, state: dict) -> None:
+    def save(self, ckpt_dir: str, step: int, state: dict, meta: Optional[dict] = None) -> None:
+        """Checkpoint ``step``: the trainer's ``state`` (JSON) and ``meta`` (strings, e.g. the config digest) go into
+        the checkpoint's ``extra``."""
         from opid_mega.megatron import checkpoint
 
-        checkpoint.save(ckpt_dir, step, self.chunks, self.optimizer, extra={"trainer_state": json.dumps(state)},
+        checkpoint.save(ckpt_dir, step, self.chunks, self.optimizer,
+                        extra={**(meta or {}), "trainer_state": json.dumps(state)},
                         keep=self.cfg.train.keep_checkpoints)
 
     def load(self, ckpt_dir: str) -> tuple[int, dict]:

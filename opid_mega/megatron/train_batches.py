@@ -29,7 +29,8 @@ import torch
 
 from opid_mega.megatron.logprobs import PackedBatch, empty_batch
 
-VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs")
+# loss_weight: optional per-token PPO loss weights (opid_mega.algo.reference_micro_weights)
+VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "loss_weight")
 
 
 def _offsets(lens: np.ndarray) -> np.ndarray:

@@ -1,9 +1,12 @@
 """OPID/PPO training step on megatron-core: DDP + optimizer, token-budget mini/micro-batches, reference swap.
 
 The loss (``opid_mega.algo``) runs inside megatron's ``get_forward_backward_func`` (every pipeline schedule).
-Token-mean aggregation over the WHOLE mini-batch (all micro-batches and data-parallel ranks) uses megatron's
-per-token-loss idiom: :func:`ppo_loss_func` returns ``(loss summed over tokens, token count, metrics)`` and
-``finalize_model_grads`` divides the gradients by the mini-batch's global token count.
+Every aggregation (``algo.loss_agg``) uses megatron's per-token-loss idiom: :func:`ppo_loss_func` returns ``(loss
+summed over tokens with per-token weights, a count, metrics)``; DDP sums the gradients over the data-parallel ranks
+and ``finalize_model_grads`` divides them by the count summed over micro-batches and ranks. token-mean (ours): weight
+1, count = valid tokens, so the gradient is that of one token mean over the WHOLE mini-batch. token-mean-micro (the
+reference's): weight 1 / (the micro-batch's valid tokens), count 1 per micro-batch holding one, so the gradient is
+that of the mean over the mini-batch's micro-batches (all ranks) of each micro-batch's token mean.
 
 Public integration surface for your own Megatron script: :func:`opid_mega.megatron.logprobs.forward_step`
 with ``loss_func=partial(ppo_loss_func, cfg=LossConfig(...))`` -- see the module README snippet in the report.
@@ -21,7 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss
+from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss, reference_micro_weights
 from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, empty_batch, forward_step, pack,
                                         plan_micro_batches, run_schedule, split_output)
 
@@ -34,8 +37,11 @@ class LossConfig:
     kl_coef: float = 0.01
     kl_kind: str = "low_var_kl"
     entropy_coef: float = 0.001
-    # token-mean (the paper's) | seq-mean-token-sum | seq-mean-token-mean, over the whole mini-batch
+    # token-mean (ours: over the whole mini-batch) | token-mean-micro (the reference's: per micro-batch, then the mean
+    # over micro-batches and ranks) | seq-mean-token-sum | seq-mean-token-mean (over the whole mini-batch)
     loss_agg: str = "token-mean"
+    # PPO log-ratio clamp (algo.log_ratio_clamp): None = not clamped, as in the reference
+    log_ratio_clamp: Optional[float] = None
     # The rollout's sampling temperature: the new log-probs (and entropy) are those of softmax(logits / T), like the
     # old and reference log-probs they are compared with (compute_logprobs(..., temperature=T)).
     temperature: float = 1.0
@@ -47,14 +53,31 @@ class LossConfig:
 def token_weights(batch: PackedBatch, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss weights and the count megatron divides the mini-batch's summed loss by.
 
-    token-mean: weight = mask, count = valid tokens. seq-mean-token-sum: weight = mask, count = sequences with a
-    valid token. seq-mean-token-mean: weight = mask / (the sequence's valid tokens), count = such sequences. Summed
+    token-mean: weight = mask, count = valid tokens. token-mean-micro: weight = mask / (the micro-batch's valid
+    tokens), count = 1 (0 for a micro-batch without one). seq-mean-token-sum: weight = mask, count = sequences with
+    a valid token. seq-mean-token-mean: weight = mask / (the sequence's valid tokens), count = such sequences. Summed
     over all micro-batches and DP ranks and divided by the summed counts, this is `opid_mega.algo.agg_loss` over the
-    whole mini-batch."""
+    whole mini-batch (token-mean-micro: with one micro id per micro-batch).
+
+    Given weights (``batch.extras["loss_weight"]``, token-mean-micro with train.micro_batch_size > 0: the reference's
+    micro-batches of that many step-samples, whatever the packing, ``opid_mega.algo.reference_micro_weights``):
+    weight = mask x that weight, count = ``batch.extras["loss_count"]`` (1 on one micro-batch of the whole
+    mini-batch, else 0): the weights already hold the whole normalisation."""
+    ex = getattr(batch, "extras", None) or {}
+    if "loss_weight" in ex or "loss_count" in ex:  # (an empty micro-batch has the count alone)
+        if agg != "token-mean-micro":
+            raise ValueError(f"loss_agg={agg!r}: per-token loss weights are token-mean-micro's")
+        count = ex.get("loss_count")
+        w = mask * ex["loss_weight"] if "loss_weight" in ex else mask * 0
+        return w, (count.sum() if count is not None else mask.sum() * 0).to(mask.dtype)
     if agg == "token-mean":
         return mask, mask.sum()
+    if agg == "token-mean-micro":
+        n = mask.sum()
+        return mask / n.clamp(min=1), (n > 0).to(mask.dtype)
     if agg not in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"loss_agg={agg!r}, allowed: token-mean, seq-mean-token-sum, seq-mean-token-mean")
+        raise ValueError(f"loss_agg={agg!r}, allowed: token-mean, token-mean-micro, seq-mean-token-sum, "
+                         "seq-mean-token-mean")
     per = torch.tensor(batch.scored_per_seq, device=mask.device)
     seq = torch.repeat_interleave(torch.arange(per.numel(), device=mask.device), per)
     cnt = torch.zeros(per.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
@@ -81,8 +104,11 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
             raise ValueError(f"ppo_loss_func: the micro-batch has no {k!r}")
     logp, mask = output[0], ex["loss_mask"]
     w, ntok = token_weights(batch, mask, cfg.loss_agg)
+    # the clip-fraction metrics' weight: the count, or (given weights, whose count sits on one micro-batch) Σ weights
+    mw = w.sum().detach() if "loss_weight" in ex or "loss_count" in ex else ntok
     pg_sum, m = ppo_policy_loss(logp, ex["old_logprobs"], ex["advantages"], w, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, normalizer=1.0)
+                                clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, normalizer=1.0,
+                                log_ratio_clamp=cfg.log_ratio_clamp)
     loss = pg_sum
     metrics = {"pg_loss": torch.stack([pg_sum.detach().clone(), ntok])}
     if cfg.kl_coef > 0:
@@ -103,9 +129,24 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
         loss = loss + d_sum
         metrics["distill_kl"] = torch.stack([dm["distill_kl"] * w_pair.sum(), w_pair.sum()])
     for k in ("clipfrac", "clipfrac_dual", "approx_kl"):
-        metrics[k] = torch.stack([m[k].detach() * ntok, ntok])
+        metrics[k] = torch.stack([m[k].detach() * mw, mw])
     metrics["loss"] = torch.stack([loss.detach().clone(), ntok])
     return loss, ntok.to(torch.int), metrics
+
+
+def loss_micro_batches(part, budget: int, num_ranks: int = 1, rank: int = 0,
+                       micro_batch_size: int = 0) -> list[PackedBatch]:
+    """This rank's packed micro-batches of one mini-batch (`TrainData` ``part``, :meth:`TrainData.micro_batches`);
+    with ``micro_batch_size`` > 0 they carry the reference's loss weights (``opid_mega.algo.reference_micro_weights``)
+    and the count 1 on DP rank 0's first micro-batch (0 elsewhere), so megatron's division leaves those weights as
+    they are (algo.loss_agg=token-mean-micro with train.micro_batch_size)."""
+    if micro_batch_size:
+        part.values["loss_weight"] = reference_micro_weights(part.resp_lens, micro_batch_size)
+    batches = part.micro_batches(budget, num_ranks, rank)
+    if micro_batch_size:
+        for i, b in enumerate(batches):
+            b.extras["loss_count"] = torch.tensor([1.0 if i == 0 and rank == 0 else 0.0])
+    return batches
 
 
 def wrap_ddp(chunks, config, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,

@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 
 def split_prompt(prompt: str) -> tuple[str, str, str]:
-    """(head incl. the task line, middle, tail from "Now it's your turn"): opid_mega.skills' rule."""
+    """The prompt cut at its two insertion points, the earlier first (opid_mega.skills' rule): for our templates
+    (head incl. the task line, middle, tail from "Now it's your turn to")."""
     from opid_mega.skills.injection import split_prompt as _split
 
     return _split(prompt)
@@ -92,11 +93,18 @@ class PromptTokenizer:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, prompt: str) -> tuple[list[int], int, int]:
+        from opid_mega.skills.injection import insertion_points
+
         head, middle, tail = split_prompt(prompt)
         p1 = self.encode_text(self.template_head + head)
         p2 = self.encode_text(middle)
         p3 = self.encode_text(tail + self.template_tail)
-        return p1 + p2 + p3, len(p1), len(p1) + len(p2)
+        ep, st = insertion_points(prompt)
+        first, second = len(p1), len(p1) + len(p2)
+        # split_prompt cuts at the earlier point first; the episode point is the later one only in a prompt whose
+        # task line follows its first "Now it's your turn to" (none of our templates)
+        ep_at, st_at = (first, second) if ep <= st else (second, first)
+        return p1 + p2 + p3, ep_at, st_at
 
     def chat_text(self, prompt: str) -> str:
         return self.template_head + prompt + self.template_tail

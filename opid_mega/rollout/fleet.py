@@ -53,6 +53,7 @@ from __future__ import annotations
 import atexit
 import math
 import queue
+import os
 import re
 import signal
 import subprocess
@@ -437,23 +438,33 @@ class RouterFleet(FleetEngine):
 
     def __init__(self, engines: Sequence[Any], *, router_args: Sequence[str] = (), host: str = "127.0.0.1",
                  port: Optional[int] = None, log_dir: Optional[str] = None, startup_timeout_s: float = 120.0,
-                 request_timeout_s: float = 1800.0, python: str = sys.executable, **fleet_options):
+                 request_timeout_s: float = 1800.0, python: str = sys.executable, api_key: Optional[str] = None,
+                 **fleet_options):
+        """`host`: the address the router binds and is reached at (the node's cluster address: opid_mega.hosts).
+        `api_key`: the router's `--api-key` (given through opid_mega.keyed: on no command line, in no log), which it
+        sends to the workers and asks of its clients; this fleet sends it with every request to the router."""
         fleet_options.setdefault("chunk_prompts", 1)  # one request per prompt: the router balances each
         super().__init__(engines, **fleet_options)
-        for flag in ("--worker-urls", "--host", "--port"):
+        for flag in ("--worker-urls", "--host", "--port", "--api-key"):
             if _has_flag(router_args, flag):
-                raise ValueError(f"router_args must not set {flag}; RouterFleet sets it (got {list(router_args)})")
-        self.router_port = port or free_port()
-        self.router_url = f"http://{host}:{self.router_port}"
-        self.command = [python, "-m", "sglang_router.launch_router", "--worker-urls", *self.urls, "--host", host,
-                        "--port", str(self.router_port)]
+                raise ValueError(f"router_args must not set {flag}; RouterFleet sets it (got "
+                                 f"{redact_args(router_args)})")
+        from opid_mega.hosts import http_url
+
+        self._api_key = api_key or None
+        self._auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        self.host = host
+        self.router_port = port or free_port(host)
+        self.router_url = http_url(host, self.router_port)
+        self.command = [python, "-m", *(["opid_mega.keyed"] if self._api_key else []), "sglang_router.launch_router",
+                        "--worker-urls", *self.urls, "--host", host, "--port", str(self.router_port)]
         if not _has_flag(router_args, "--worker-startup-check-interval"):
             self.command += ["--worker-startup-check-interval", "1"]  # default 30 s: the workers are up already
         # the router's Prometheus metrics (its own retries of failed worker requests) on a port of our own (the
         # default 29000 would clash between two runs on one host)
         self.metrics_port = None
         if not _has_flag(router_args, "--prometheus-port"):
-            self.metrics_port = free_port()
+            self.metrics_port = free_port(host)
             self.command += ["--prometheus-port", str(self.metrics_port), "--prometheus-host", host]
         self.command += [str(a) for a in router_args]
         self.router_alive = True
@@ -466,12 +477,23 @@ class RouterFleet(FleetEngine):
         self._router_log.flush()
         if _shutdown.stopping():
             raise EngineError("not launching the SGLang router: the trainer is shutting down")
-        self._router_proc = subprocess.Popen(self.command, stdout=self._router_log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+        key_env, key_fds = {}, ()
+        if self._api_key:  # the key through a pipe (opid_mega.keyed)
+            from opid_mega.keyed import key_channel
+
+            key_env, key_fds = key_channel(self._api_key)
+        try:
+            self._router_proc = subprocess.Popen(self.command, stdout=self._router_log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True, env={**os.environ, **key_env},
+                                                 pass_fds=key_fds)
+        finally:
+            for fd in key_fds:
+                os.close(fd)
         _shutdown.register_group(self._router_proc.pid, f"SGLang router {self.router_url}")
         atexit.register(self._stop_router)
         self.request_timeout_s = float(request_timeout_s)
         self._router_session = requests.Session()
+        self._router_session.headers.update(self._auth)
         try:
             self._wait_router(startup_timeout_s)
         except BaseException:
@@ -502,7 +524,7 @@ class RouterFleet(FleetEngine):
                 raise EngineError(f"the SGLang router exited with code {self._router_proc.returncode}; its log is "
                                   f"{self.router_log_path}:\n{self._router_log_tail()}")
             try:
-                r = requests.get(self.router_url + "/workers", timeout=5)
+                r = requests.get(self.router_url + "/workers", timeout=5, headers=self._auth)
                 if r.status_code == 200 and self._router_workers_ready(r.json()):
                     return
                 last = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -522,10 +544,10 @@ class RouterFleet(FleetEngine):
     def _remove_from_router(self, server: _Server) -> None:
         """DELETE /workers/{id} (sglang-router 0.3.2 names workers by a UUID that /workers lists with their url)."""
         try:
-            listing = requests.get(self.router_url + "/workers", timeout=10).json()
+            listing = requests.get(self.router_url + "/workers", timeout=10, headers=self._auth).json()
             for w in listing.get("workers", []):
                 if str(w.get("url", "")).rstrip("/") == server.url:
-                    requests.delete(f"{self.router_url}/workers/{w['id']}", timeout=10)
+                    requests.delete(f"{self.router_url}/workers/{w['id']}", timeout=10, headers=self._auth)
         except (requests.RequestException, ValueError, KeyError, AttributeError):
             pass
 
@@ -624,7 +646,7 @@ class RouterFleet(FleetEngine):
 
     def router_workers(self) -> list[str]:
         """The worker urls the router lists now."""
-        listing = requests.get(self.router_url + "/workers", timeout=10).json()
+        listing = requests.get(self.router_url + "/workers", timeout=10, headers=self._auth).json()
         return [str(w.get("url", "")).rstrip("/") for w in listing.get("workers", [])]
 
     def router_retries(self) -> Optional[int]:
@@ -632,7 +654,9 @@ class RouterFleet(FleetEngine):
         if self.metrics_port is None or not self.router_alive:
             return None
         try:
-            text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+            from opid_mega.hosts import http_url
+
+            text = requests.get(http_url(self.host, self.metrics_port) + "/metrics", timeout=5).text
         except requests.RequestException:
             return None
         # sglang-router 0.3.2 counts a retry in smg_worker_retries_total and times its backoff in the histogram
@@ -676,13 +700,14 @@ class RouterFleet(FleetEngine):
 def launch_fleet(model_path: str, n: int, server_args: Sequence[str] = (), log_dir: Optional[str] = None,
                  envs: Optional[Sequence[Optional[dict]]] = None, mem_fraction: Optional[float] = None,
                  balancer: str = "client", router_args: Sequence[str] = (), concurrent: bool = True,
-                 engine_options: Optional[dict] = None, dtype: Optional[str] = None,
-                 **fleet_options) -> FleetEngine:
+                 engine_options: Optional[dict] = None, host: str = "127.0.0.1", api_key: Optional[str] = None,
+                 dtype: Optional[str] = None, **fleet_options) -> FleetEngine:
     """Launch `n` SGLang servers (concurrently; server k gets `envs[k]` merged into its environment, e.g.
     {"CUDA_VISIBLE_DEVICES": "2,3"}, and `--mem-fraction-static mem_fraction` unless server_args sets it) and
     return them as a FleetEngine (balancer "client") or a RouterFleet (balancer "router"). If one server fails to
-    start, the others are shut down and the first error is raised. `dtype`: their `--dtype` unless server_args set
-    it (the trainer passes model.dtype: SGLang's `auto` serves float32 as float16)."""
+    start, the others are shut down and the first error is raised. `host`: the address the servers (and the router)
+    bind and are reached at; `api_key`: their `--api-key` (SGLangEngine, RouterFleet). `dtype`: their `--dtype`
+    unless server_args set it (the trainer passes model.dtype: SGLang's `auto` serves float32 as float16)."""
     if n < 1:
         raise ValueError(f"launch_fleet: n must be >= 1, got {n}")
     if balancer not in ("client", "router"):
@@ -698,7 +723,7 @@ def launch_fleet(model_path: str, n: int, server_args: Sequence[str] = (), log_d
 
     def start(k: int) -> None:
         try:
-            engines[k] = SGLangEngine(model_path, server_args=args, log_dir=log_dir,
+            engines[k] = SGLangEngine(model_path, server_args=args, log_dir=log_dir, host=host, api_key=api_key,
                                       env=(envs[k] if envs is not None else None), **options)
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[k] = e
@@ -724,7 +749,8 @@ def launch_fleet(model_path: str, n: int, server_args: Sequence[str] = (), log_d
                           f"were shut down: {first}") from first
     if balancer == "router":
         try:
-            return RouterFleet(engines, router_args=router_args, log_dir=log_dir, **fleet_options)
+            return RouterFleet(engines, router_args=router_args, log_dir=log_dir, host=host, api_key=api_key,
+                               **fleet_options)
         except BaseException:
             for e in engines:
                 e.shutdown()

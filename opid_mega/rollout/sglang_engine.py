@@ -73,9 +73,11 @@ _TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` (the address the server will bind)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -122,15 +124,17 @@ def served_dtype(dtype: Optional[str], model_dir: Optional[str] = None) -> Optio
 
 
 def build_server_command(model_path: str, host: str, port: int, server_args: Sequence[str] = (),
-                         cpu: bool = False, python: str = sys.executable, dtype: Optional[str] = None) -> list[str]:
+                         cpu: bool = False, python: str = sys.executable, keyed: bool = False,
+                         dtype: Optional[str] = None) -> list[str]:
     """The launch command: fixed model/host/port, the CPU defaults (when cpu and not overridden), then
-    server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype)."""
+    server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype). `keyed`:
+    through opid_mega.keyed, which adds `--api-key` from a pipe (the key is on no command line and in no log)."""
     server_args = with_dtype(server_args, dtype)
-    for flag in ("--model-path", "--host", "--port"):
+    for flag in ("--model-path", "--host", "--port", "--api-key"):
         if _has_flag(server_args, flag):
-            raise ValueError(f"server_args must not set {flag}; SGLangEngine sets it (got {list(server_args)})")
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port",
-           str(port)]
+            raise ValueError(f"server_args must not set {flag}; SGLangEngine sets it (got {list(redact_args(server_args))})")
+    cmd = [python, "-m", *(["opid_mega.keyed"] if keyed else []), "sglang.launch_server", "--model-path",
+           str(model_path), "--host", host, "--port", str(port)]
     if cpu:
         for flag, value in CPU_DEFAULT_ARGS:
             if not _has_flag(server_args, flag):
@@ -276,7 +280,10 @@ class SGLangEngine:
                  request_timeout_s: float = 1800.0, max_retries: int = 5, backoff_s: float = 0.5,
                  backoff_max_s: float = 8.0, weight_bucket_bytes: int = 512 << 20,
                  weight_transport: Optional[str] = None, python: str = sys.executable,
-                 env: Optional[dict] = None, cpus: Optional[Sequence[int]] = None):
+                 env: Optional[dict] = None, cpus: Optional[Sequence[int]] = None, api_key: Optional[str] = None):
+        """`host`: the address a launched server binds and is reached at (the node's cluster address in a multi-node
+        run: opid_mega.hosts.bind_host). `api_key`: a launched server gets it (`--api-key`, through
+        opid_mega.keyed: on no command line, in no log); every request carries `Authorization: Bearer <key>`."""
         if (model_path is None) == (url is None):
             raise ValueError("SGLangEngine needs exactly one of model_path (launch a server) or url (attach)")
         self.request_timeout_s = float(request_timeout_s)
@@ -285,8 +292,9 @@ class SGLangEngine:
         self.backoff_max_s = float(backoff_max_s)
         self.weight_bucket_bytes = int(weight_bucket_bytes)
         if weight_transport is None:  # shared memory when the server runs here, inline bytes otherwise
-            local = url is None or any(h in url for h in ("//127.0.0.1", "//localhost", "//0.0.0.0"))
-            weight_transport = "shm" if local else "inline"
+            from opid_mega.hosts import is_local_url
+
+            weight_transport = "shm" if url is None or is_local_url(url) else "inline"
         if weight_transport not in ("shm", "inline"):
             raise ValueError(f"weight_transport must be 'shm' or 'inline', got {weight_transport!r}")
         self.weight_transport = weight_transport
@@ -295,6 +303,9 @@ class SGLangEngine:
         self.log_path: Optional[str] = None
         self.start_time_s: Optional[float] = None
         self._session = requests.Session()
+        self._api_key = api_key or None
+        if self._api_key:
+            self._session.headers["Authorization"] = f"Bearer {self._api_key}"
         self._lock = threading.Lock()
         self._closed = False
         if url is not None:
@@ -303,15 +314,18 @@ class SGLangEngine:
         else:
             if cpu is None:
                 cpu = not torch.cuda.is_available()
-            port = port or free_port()
-            self.url = f"http://{host}:{port}"
+            from opid_mega.hosts import http_url
+
+            port = port or free_port(host)
+            self.url = http_url(host, port)
             cpu_serving = cpu or _flag_value(server_args, "--device") == "cpu"
             if cpus and cpu_serving:  # SGLang's own CPU binding: its OpenMP threads on exactly these cores
                 env = {**(env or {}), "SGLANG_CPU_OMP_THREADS_BIND": ",".join(str(int(c)) for c in cpus),
                        "OMP_NUM_THREADS": str(len(cpus))}
                 if not _has_flag(server_args, "--max-total-tokens"):  # SGLang cannot size its pool once bound
                     server_args = list(server_args) + ["--max-total-tokens", "16384"]
-            self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python)
+            self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python,
+                                                keyed=bool(self._api_key))
             t0 = time.monotonic()
             self._launch(cpu_serving, log_dir, env)
             try:
@@ -321,8 +335,15 @@ class SGLangEngine:
                 raise
             self.start_time_s = time.monotonic() - t0
         info = self._request("GET", "/server_info", retries=self.max_retries)
+        if isinstance(info, dict):  # it lists the server's arguments: never keep a key in what may be dumped
+            info = {k: ("***" if k in ("api_key", "admin_api_key") and v else v) for k, v in info.items()}
         self.server_info = info
         self.tp_size = int(info.get("tp_size", 1) or 1) if isinstance(info, dict) else 1
+
+    @property
+    def api_key(self) -> Optional[str]:
+        """The key this engine sends (and a launched server was given); None without one."""
+        return self._api_key
 
     # ---- process management -------------------------------------------------------------------------------------
     def _launch(self, cpu_serving: bool, log_dir: Optional[str], extra_env: Optional[dict] = None) -> None:
@@ -351,8 +372,17 @@ class SGLangEngine:
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(("$ " + " ".join(redact_args(self.command)) + "\n").encode())  # no --api-key value
         self._log_file.flush()
-        self._proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
+        key_env, key_fds = {}, ()
+        if self._api_key:  # the key through a pipe (opid_mega.keyed): on no command line, in no environment
+            from opid_mega.keyed import key_channel
+
+            key_env, key_fds = key_channel(self._api_key)
+        try:
+            self._proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                          env={**env, **key_env}, start_new_session=True, pass_fds=key_fds)
+        finally:
+            for fd in key_fds:
+                os.close(fd)
         _shutdown.register_group(self._proc.pid, f"SGLang server {self.url}")
         atexit.register(self.shutdown)
 

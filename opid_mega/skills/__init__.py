@@ -5,6 +5,7 @@ from opid_mega.skills.injection import (
     inject_skill,
     inject_skills,
     insertion_point,
+    insertion_points,
     render_skill_section,
     split_prompt,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "inject_skill",
     "inject_skills",
     "insertion_point",
+    "insertion_points",
     "parse_analysis",
     "render_skill_section",
     "split_prompt",

@@ -8,7 +8,10 @@
 
 One JSON object per line, `"type"` is "analysis" or "augmented_prompt", `"time"` is unix seconds. Every record is
 flushed as it is written (optionally fsync'ed), under a lock, so a killed run loses at most the line being written
-and threads never interleave lines. `read_audit` skips such a torn last line.
+and threads never interleave lines. Opening the log cuts such a torn last line off (`opid_mega.jsonl`), so the next
+record starts on a line of its own; `read_audit` skips one that is still there. A resumed run opens it with
+`resume_iteration=N`: the records of iterations after N (re-run from the checkpoint) are dropped first, as
+metrics.jsonl drops its lines after the resume step, so no iteration is logged twice.
 """
 from __future__ import annotations
 
@@ -35,13 +38,21 @@ def _jsonable(obj: Any) -> Any:
 class AuditLog:
     """Thread-safe, append-only JSONL writer. `path=None` makes a no-op log (every call returns at once)."""
 
-    def __init__(self, path: str | os.PathLike | None, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike | None, fsync: bool = False, resume_iteration: Optional[int] = None):
         self.path = Path(path) if path is not None else None
         self.fsync = fsync
         self._lock = threading.Lock()
         self._file = None
+        self.dropped = 0  # records of iterations after resume_iteration removed on open
         if self.path is not None:
+            from opid_mega.jsonl import cut_to_last_line, drop_records
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            cut_to_last_line(self.path)
+            if resume_iteration is not None:
+                self.dropped = drop_records(self.path, lambda r: isinstance(r.get("iteration"), int)
+                                            and not isinstance(r.get("iteration"), bool)
+                                            and r["iteration"] > resume_iteration)
             self._file = open(self.path, "a", encoding="utf-8")
 
     @property

@@ -1,12 +1,13 @@
-r"""Skill sections and where they go in a step-sample prompt (OPID.md §5, "Reference rules in detail").
+r"""Skill sections and where they go in a step-sample prompt (OPID.md §5, "Reference rules in detail" and "More
+reference facts": task-line choice).
 
-A prompt is split at two points:
-  * the episode point: right after the first line that matches the reference's task-line pattern
-    (`^.*\bYour task is to:\s*.*`, or the same with "Your current task is:", "Your task is:", "Your question:";
-    the first such line in the prompt, whichever phrase it holds) and any blank lines that follow it; with no
-    such line, the step point; failing that, the end;
-  * the step point: the first line that begins "Now it's your turn" at or after the episode point (the closing
-    paragraph); failing that, the end.
+A prompt has two insertion points, found independently (as the reference does):
+  * the episode point: right after the task line, chosen by PHRASE PRIORITY: the first line matching
+    `^.*\bYour task is to:\s*.*` anywhere in the prompt; only when no line holds that phrase, the first line
+    matching the same pattern with "Your current task is:", then "Your task is:", then "Your question:". The
+    section starts after that line and any blank lines that follow it. With no task line at all: the step point;
+  * the step point: the FIRST occurrence of "Now it's your turn to" in the prompt (CLOSING_ANCHOR; every closing
+    paragraph of opid_mega.envs.prompts begins with it, at the start of its line); failing that, the end.
 Inserting a section at one of those points leaves the text before it byte-identical, so the original and the skill
 context share every token up to the insertion point (whitespace is kept, unlike the reference code, which strips
 it). An empty or whitespace-only skill gives no section: the prompt comes back unchanged.
@@ -18,7 +19,7 @@ from typing import Mapping, Optional
 
 from opid_mega.algo.routing import EPISODE, STEP
 
-CLOSING_ANCHOR = "Now it's your turn"
+CLOSING_ANCHOR = "Now it's your turn to"
 PLACEMENTS = ("faithful", "late")
 TASK_LINE_PATTERNS = (
     r"^.*\bYour task is to:\s*.*",
@@ -26,7 +27,8 @@ TASK_LINE_PATTERNS = (
     r"^.*\bYour task is:\s*.*",
     r"^.*\bYour question:\s*.*",
 )
-_TASK_LINE = re.compile("|".join(f"(?:{p})" for p in TASK_LINE_PATTERNS), re.M)
+# in priority order: a later phrase is tried only when no line holds an earlier one
+_TASK_LINES = tuple(re.compile(p, re.M) for p in TASK_LINE_PATTERNS)
 
 SECTION_TITLES = {EPISODE: "**Episode-Level Skill**", STEP: "**Critical-Step Skill**"}
 SECTION_INSTRUCTIONS = {
@@ -54,28 +56,40 @@ def render_skill_section(skill: Optional[str], kind: str) -> str:
     return f"{SECTION_TITLES[kind]}\n{SECTION_INSTRUCTIONS[kind]}\n[{skill}]\n\n"
 
 
-def _closing_line(prompt: str, start: int) -> int:
-    """Offset of the first line at or after `start` that begins with CLOSING_ANCHOR, or len(prompt)."""
-    pos = prompt.find(CLOSING_ANCHOR, start)
-    while pos >= 0:
-        if pos == 0 or prompt[pos - 1] == "\n":
-            return pos
-        pos = prompt.find(CLOSING_ANCHOR, pos + 1)
-    return len(prompt)
+def closing_point(prompt: str) -> int:
+    """Offset of the first occurrence of CLOSING_ANCHOR ("Now it's your turn to") in the prompt, or len(prompt)."""
+    pos = prompt.find(CLOSING_ANCHOR)
+    return len(prompt) if pos < 0 else pos
+
+
+def task_line_end(prompt: str) -> Optional[int]:
+    """Offset right after the task line chosen by phrase priority (TASK_LINE_PATTERNS in order), or None."""
+    for pattern in _TASK_LINES:
+        m = pattern.search(prompt)
+        if m is not None:
+            return m.end()
+    return None
+
+
+def insertion_points(prompt: str) -> tuple[int, int]:
+    """(episode point, step point) of the faithful placement (see the module docstring). The episode point is
+    after the step point only in a prompt whose task line comes after its first "Now it's your turn to" (none of
+    our templates; an observation quoting the phrase could do it), as in the reference."""
+    st = closing_point(prompt)
+    ep = task_line_end(prompt)
+    if ep is None:
+        return st, st
+    while ep < len(prompt) and prompt[ep] == "\n":  # the line break ending the task line, then blank lines
+        ep += 1
+    return ep, st
 
 
 def split_prompt(prompt: str) -> tuple[str, str, str]:
-    """(head, middle, tail): head ends at the episode point, tail starts at the step point (see the module
-    docstring). head + middle + tail == prompt; middle is "" when the prompt has no task line."""
-    m = _TASK_LINE.search(prompt)
-    if m is None:
-        ep = st = _closing_line(prompt, 0)
-    else:
-        ep = m.end()
-        while ep < len(prompt) and prompt[ep] == "\n":  # the line break ending the task line, then blank lines
-            ep += 1
-        st = _closing_line(prompt, ep)
-    return prompt[:ep], prompt[ep:st], prompt[st:]
+    """(head, middle, tail) cut at the two insertion points, the earlier one first: head + middle + tail == prompt.
+    For every prompt our templates build, head ends at the episode point and tail starts at the step point; middle
+    is "" when the prompt has no task line."""
+    a, b = sorted(insertion_points(prompt))
+    return prompt[:a], prompt[a:b], prompt[b:]
 
 
 def insertion_point(prompt: str, kind: str, placement: str = "faithful") -> int:
@@ -84,10 +98,8 @@ def insertion_point(prompt: str, kind: str, placement: str = "faithful") -> int:
         raise ValueError(f"insertion_point: placement={placement!r}, allowed: {', '.join(PLACEMENTS)}")
     if kind not in SECTION_TITLES:
         raise ValueError(f"insertion_point: kind={kind!r}, allowed: {', '.join(SECTION_TITLES)}")
-    head, middle, _ = split_prompt(prompt)
-    if kind == EPISODE and placement == "faithful":
-        return len(head)
-    return len(head) + len(middle)
+    ep, st = insertion_points(prompt)
+    return ep if kind == EPISODE and placement == "faithful" else st
 
 
 def inject_skills(prompt: str, skills: Mapping[str, Optional[str]], placement: str = "faithful") -> str:

@@ -1,26 +1,38 @@
-"""Hindsight analysis with an LLM behind any OpenAI-compatible `/v1/chat/completions` endpoint (SGLang, vLLM, ...).
+"""Hindsight analysis with an LLM behind any OpenAI-compatible `/v1/chat/completions` endpoint (SGLang, vLLM, ...),
+through the `openai` client.
 
     analyzer = LLMAnalyzer("http://127.0.0.1:30000", model="Qwen/Qwen2.5-7B-Instruct", cache_path=run_dir / "cache.jsonl",
                            audit=AuditLog(run_dir / "audit.jsonl"))
+    analyzer.probe()                                 # one short request: a bad key/URL/model fails here, in one line
     job = analyzer.submit(trajs, iteration=it)       # background: score old/ref log-probs meanwhile
     ...
     analyses = job.result()                          # list[Analysis | None], one per trajectory, in order
     analyzer.stats                                   # {"requests", "retries", "reasks", "failures", "cache_hits", ...}
 
-Per trajectory (OPID.md §3): one prompt (`build_analysis_prompt`), one HTTP call, parse; an unusable reply gets ONE
-re-ask (`build_reask_prompt` with the error and the tail of the bad answer); a trajectory whose analysis finally
-fails gets None (no skill signal; its outcome advantage stays) — counted in `stats["failures"]`, logged, never
-raised.
+Per trajectory (OPID.md §3): one prompt (`build_analysis_prompt`), one request, parse (`parse_analysis` with the
+`parser` rules); an unusable reply gets ONE re-ask (`build_reask_prompt`: the error and the last 2000 characters of
+the bad reply); a trajectory whose analysis finally fails gets None (no skill signal; its outcome advantage stays) —
+counted in `stats["failures"]`, logged, never raised.
 
-Transport: connection errors, timeouts, 408/409/425/429 and 5xx are retried up to `max_retries` times with capped
-exponential backoff and jitter (`Retry-After` is honoured, within the cap); other 4xx fail at once. When a server
-stays unreachable (connection refused after all retries), the trajectories of that call that have not started yet
-fail at once instead of each waiting out its own backoff schedule.
+Requests (the reference's sampling, "More reference facts"): one user message, `max_tokens`; no temperature unless
+`temperature` is set (the server's default otherwise) and no response format unless `response_format` is
+"json_object" or "json_schema" (this project's options; a server that answers 400/422 to one is asked once more
+without it, and the analyzer then stops sending it). The text parsed is the reasoning content, a newline, then the
+content.
 
-JSON-constrained decoding: `json_mode=True` (or "json_object") sends `response_format={"type": "json_object"}`;
-`json_mode="json_schema"` sends the Analysis JSON schema (`{"type": "json_schema", ...}`, SGLang/vLLM/OpenAI).
-If the server answers 400 to a request with `response_format`, the request is repeated once without it; when that
-succeeds the analyzer remembers and stops sending it.
+Retries (the reference's policy): 1 + `max_retries` (default 4: 5 attempts in all) per request; EVERY exception is
+retried — HTTP errors of any status, connection errors, timeouts, a broken body — and so is an empty reply (a
+transport error); the wait before retry r (1-based) is min(backoff_max_s, backoff_s x 2^(r-1)): 1, 2, 4, 8 s by
+default. The `openai` client does the HTTP (auth header, SSE decoding, error types) with its own retries off: its
+policy (0.5 s x 2 capped at 8 s with jitter, transient statuses only, no empty-reply check) is not the reference's.
+
+Timeouts that cannot starve: replies are streamed and a request is given up only when it makes no progress — no
+token for `stall_timeout_s` (the time to the first token included) — or when `timeout_s` (optional, a cap on the
+whole reply; off by default) or the call's deadline passes; never at a fixed time shorter than a healthy reply. A
+request the client gives up on is aborted on the server (SGLang: each request carries `rid` and is ended with POST
+/abort_request {"rid": ...}; found by `probe()` through /model_info, or `sglang=True`), so abandoned requests never
+keep decoding beside their retries. A server that ignores `stream` and answers the whole completion as JSON is read
+as such (its reply must then arrive within `stall_timeout_s`).
 
 Cache: successful analyses keyed by sha256(model, prompt text) — the prompt holds the whole trajectory, K and γ —
 in memory, and appended to `cache_path` (JSONL) when given, so a resumed run or an identical trajectory costs no call.
@@ -37,8 +49,8 @@ concurrent `analyze`/`submit` calls.
 Deadline: `submit(..., deadline_s=D)` / `analyze_records(..., deadline_s=D)` (the trainer's analyzer.deadline_s)
 returns D seconds after the call at the latest: every analysis not done by then is a failure ("deadline: ..."; no
 skill signal, counted in `stats["failures"]` and `stats["deadline_failures"]`, audited), requests not started are
-cancelled, and no request or backoff of this call runs past the deadline (a request's read timeout is cut to it).
-`close()` does not wait for requests in flight.
+cancelled, the ones in flight are aborted on the server, and no request or backoff of this call runs past the
+deadline. `close()` does not wait for requests in flight (it aborts them on the server, best effort).
 """
 from __future__ import annotations
 
@@ -46,26 +58,27 @@ import dataclasses
 import hashlib
 import json
 import logging
-import random
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import requests
+import httpx
+import openai
 
 from opid_mega.skills.audit import AuditLog
 from opid_mega.skills.base import Analyzer
-from opid_mega.skills.parser import parse_analysis
+from opid_mega.skills.parser import PARSER_RULES, parse_analysis
 from opid_mega.skills.prompts import build_analysis_prompt, build_reask_prompt
 from opid_mega.skills.sanitize import analysis_from_dict, clean_text, sanitize_analysis, sanitize_reply
 from opid_mega.skills.types import Analysis, AnalysisParseError, TrajectoryView
 
 logger = logging.getLogger(__name__)
 
-_RETRY_STATUS = {408, 409, 425, 429}
+RESPONSE_FORMATS = ("none", "json_object", "json_schema")
 
 # The reply shape (OPID.md §3) for servers that take a JSON schema (SGLang/xgrammar, vLLM, OpenAI).
 ANALYSIS_JSON_SCHEMA: dict = {
@@ -77,14 +90,34 @@ ANALYSIS_JSON_SCHEMA: dict = {
     },
     "required": ["episode_summary", "episode_skill", "step_skills"],
 }
+_RESPONSE_FORMAT_BODY = {
+    "json_object": {"type": "json_object"},
+    "json_schema": {"type": "json_schema",
+                    "json_schema": {"name": "hindsight_analysis", "schema": ANALYSIS_JSON_SCHEMA}},
+}
+
+PROBE_PROMPT = "Reply with the single word: ready"
+PROBE_MAX_TOKENS = 16
 
 
 class TransportError(RuntimeError):
-    """The endpoint gave no usable reply after all retries (or a non-retryable HTTP error)."""
+    """The endpoint gave no usable reply after all attempts (or the call's deadline passed, or the analyzer closed)."""
 
-    def __init__(self, message: str, unreachable: bool = False):
-        super().__init__(message)
-        self.unreachable = unreachable
+
+class AnalyzerUnavailable(RuntimeError):
+    """The start-up probe failed: the message (one line) names the endpoint, the reason and the key to check."""
+
+
+class _Stop(Exception):
+    """Not retried: the call's deadline passed or the analyzer was closed (the message says which)."""
+
+
+class EmptyReply(RuntimeError):
+    """A complete reply without any text (content and reasoning both empty): a transport error, retried."""
+
+
+class Stalled(RuntimeError):
+    """No token for stall_timeout_s (or the whole reply past timeout_s): given up, aborted on the server, retried."""
 
 
 @dataclass
@@ -96,10 +129,32 @@ class AnalysisRecord:
     analysis: Optional[Analysis] = None
     failure: Optional[str] = None  # why `analysis` is None
     replies: list = field(default_factory=list)  # model answers: the first, and the re-asked one if any
-    attempts: int = 0  # HTTP requests sent for this trajectory (retries included)
+    attempts: int = 0  # requests sent for this trajectory (retries included)
     cached: bool = False
     reasked: bool = False
     elapsed_s: float = 0.0
+
+
+@dataclass
+class ProbeResult:
+    """What the start-up probe measured (one request of PROBE_MAX_TOKENS tokens, alone on the endpoint)."""
+
+    url: str
+    model: str
+    seconds: float  # the whole request
+    first_token_s: Optional[float]  # to the first streamed token
+    tokens: int  # streamed pieces with text (SGLang streams one per token)
+    tokens_per_s: Optional[float]  # decode rate after the first token
+    sglang: bool  # requests carry a rid and are aborted on the server when given up
+
+    def describe(self, max_tokens: Optional[int] = None) -> str:
+        text = f"{self.model} at {self.url} answered the probe in {self.seconds:.1f} s"
+        if self.tokens_per_s:
+            text += f" ({self.tokens} tokens, ~{self.tokens_per_s:.1f} tokens/s alone"
+            if max_tokens:
+                text += f"; a {max_tokens}-token reply ~{max_tokens / self.tokens_per_s:.0f} s"
+            text += ")"
+        return text + ("; SGLang: given-up requests are aborted on the server" if self.sglang else "")
 
 
 class AnalysisJob(Future):
@@ -127,8 +182,6 @@ class _Call:
     """State shared by the trajectories of one analyze() call."""
 
     def __init__(self, deadline_s: Optional[float] = None) -> None:
-        self.unreachable = threading.Event()
-        self.reason = ""
         self.deadline_s = deadline_s
         self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self.abandoned = threading.Event()  # the deadline passed: late results are no longer used
@@ -142,48 +195,60 @@ class _Call:
 
 class LLMAnalyzer(Analyzer):
     def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", concurrency: int = 16,
-                 timeout_s: float = 120.0, max_retries: int = 5, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
-                 temperature: float = 0.0, max_tokens: int = 4096, json_mode: bool | str = True,
+                 timeout_s: Optional[float] = None, stall_timeout_s: float = 120.0, max_retries: int = 4,
+                 backoff_s: float = 1.0, backoff_max_s: float = 30.0, temperature: Optional[float] = None,
+                 max_tokens: int = 4096, response_format: Optional[str] = "none", parser: str = "reference",
                  max_step_skills: int = 5, gamma: float = 0.95, cache: bool = True,
                  cache_path: Optional[str | Path] = None, audit: Optional[AuditLog] = None,
-                 connect_timeout_s: float = 10.0, seed: Optional[int] = None):
+                 connect_timeout_s: float = 10.0, sglang: Optional[bool] = None):
         if not model:
             raise ValueError("LLMAnalyzer: model is empty (the served model name, e.g. the HF path given to SGLang)")
         if concurrency < 1:
             raise ValueError(f"LLMAnalyzer: concurrency={concurrency} must be >= 1")
         if max_retries < 0:
             raise ValueError(f"LLMAnalyzer: max_retries={max_retries} must be >= 0")
-        if timeout_s <= 0 or backoff_s < 0 or backoff_max_s < 0:
-            raise ValueError("LLMAnalyzer: timeout_s must be > 0, backoff_s and backoff_max_s >= 0")
+        if (timeout_s is not None and timeout_s <= 0) or stall_timeout_s <= 0 or backoff_s < 0 or backoff_max_s < 0:
+            raise ValueError("LLMAnalyzer: timeout_s (or None) and stall_timeout_s must be > 0, backoff_s and "
+                             "backoff_max_s >= 0")
         if max_step_skills < 0:
             raise ValueError(f"LLMAnalyzer: max_step_skills={max_step_skills} must be >= 0")
-        if json_mode not in (True, False, "json_object", "json_schema"):
-            raise ValueError(f"LLMAnalyzer: json_mode={json_mode!r}, allowed: true, false, 'json_object', "
-                             "'json_schema'")
+        response_format = response_format or "none"
+        if response_format not in RESPONSE_FORMATS:
+            raise ValueError(f"LLMAnalyzer: response_format={response_format!r}, allowed: "
+                             f"{', '.join(RESPONSE_FORMATS)}")
+        if parser not in PARSER_RULES:
+            raise ValueError(f"LLMAnalyzer: parser={parser!r}, allowed: {', '.join(PARSER_RULES)}")
         self.url = chat_completions_url(base_url)
+        self.base_url = self.url[: -len("/chat/completions")]  # .../v1, what the openai client takes
+        self.server_root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url  # /abort_request
         self.model = model
-        self.api_key = api_key
+        self.api_key = api_key or "EMPTY"
         self.concurrency = concurrency
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = min(float(connect_timeout_s), self.timeout_s)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
         self.max_retries = max_retries
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self.temperature = temperature
         self.max_tokens = max_tokens
-        self.json_mode: Optional[str] = ("json_object" if json_mode is True else json_mode) or None
+        self.response_format: Optional[str] = None if response_format == "none" else response_format
+        self.parser = parser
         self.max_step_skills = max_step_skills
         self.gamma = gamma
         self.audit = audit
-        self._json_rejected = False  # the server answered 400 to response_format and 200 without it
-        self._rng = random.Random(seed)
+        self.sglang = sglang  # None: not known yet (probe() finds out); requests carry a rid only when True
+        self._format_rejected = False  # the server answered 400 to response_format and 200 without it
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "retries": 0, "reasks": 0, "failures": 0, "cache_hits": 0, "analyzed": 0,
-                       "json_mode_fallbacks": 0, "deadline_failures": 0}
+                       "response_format_fallbacks": 0, "deadline_failures": 0, "empty_replies": 0, "stalls": 0,
+                       "aborts": 0}
         self._stop = threading.Event()
         self._workers = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llm-analyzer")
-        self._local = threading.local()
-        self._sessions: list[requests.Session] = []
+        # openai's own retries are off: the loop in _chat is the reference's policy (see the module docstring)
+        self._client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+        self._http = httpx.Client(headers={"Authorization": f"Bearer {self.api_key}"}, timeout=5.0)  # abort, info
+        self._inflight: dict[str, _Call] = {}  # rid -> its call
 
         self._cache_enabled = bool(cache)
         self._cache: dict[str, Analysis] = {}
@@ -196,18 +261,21 @@ class LLMAnalyzer(Analyzer):
 
     @classmethod
     def from_config(cls, acfg: Any, base_url: Optional[str] = None, cache_path: Optional[str | Path] = None,
-                    audit: Optional[AuditLog] = None) -> "LLMAnalyzer":
-        """From `opid_mega.config.AnalyzerConfig`; `base_url` overrides `acfg.base_url` (e.g. a launched server)."""
+                    audit: Optional[AuditLog] = None, api_key: Optional[str] = None,
+                    sglang: Optional[bool] = None) -> "LLMAnalyzer":
+        """From `opid_mega.config.AnalyzerConfig`; `base_url` overrides `acfg.base_url` (e.g. a launched server),
+        `api_key` the resolved analyzer.api_key / $analyzer.api_key_env (e.g. a launched server's own key)."""
         url = base_url or acfg.base_url
         if not url:
             raise ValueError("analyzer.base_url is empty: launch an OpenAI-compatible server first and pass its URL")
-        from opid_mega.config import resolve_api_key  # analyzer.api_key, else $analyzer.api_key_env, else EMPTY
+        from opid_mega.config import analyzer_response_format, resolve_api_key
 
-        return cls(url, acfg.model, api_key=resolve_api_key(acfg), concurrency=acfg.concurrency, timeout_s=acfg.timeout_s,
-                   max_retries=acfg.max_retries, backoff_s=acfg.backoff_s, backoff_max_s=acfg.backoff_max_s,
-                   temperature=acfg.temperature, max_tokens=acfg.max_tokens, json_mode=acfg.json_mode,
+        return cls(url, acfg.model, api_key=api_key or resolve_api_key(acfg), concurrency=acfg.concurrency,
+                   timeout_s=acfg.timeout_s, stall_timeout_s=acfg.stall_timeout_s, max_retries=acfg.max_retries,
+                   backoff_s=acfg.backoff_s, backoff_max_s=acfg.backoff_max_s, temperature=acfg.temperature,
+                   max_tokens=acfg.max_tokens, response_format=analyzer_response_format(acfg), parser=acfg.parser,
                    max_step_skills=acfg.max_step_skills, gamma=acfg.gamma, cache=True, cache_path=cache_path,
-                   audit=audit)
+                   audit=audit, sglang=sglang)
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API
@@ -289,7 +357,9 @@ class LLMAnalyzer(Analyzer):
                     raise TimeoutError
                 rec: AnalysisRecord = fut.result(timeout=left)  # _analyze_one never raises for server problems
             except TimeoutError:  # the deadline passed: this analysis (and every one still pending) is a failure
-                call.abandoned.set()
+                if not call.abandoned.is_set():
+                    call.abandoned.set()
+                    self._abort_in_flight(call)  # the requests still decoding end on the server now
                 fut.cancel()
                 rec = AnalysisRecord(traj_id=getattr(trajs[groups[key][0]], "traj_id", "") or str(groups[key][0]),
                                      prompt=prompts[key], failure=call.deadline_failure())
@@ -321,17 +391,19 @@ class LLMAnalyzer(Analyzer):
 
     def close(self) -> None:
         """Stop: no new request or retry starts, queued work is cancelled; requests in flight are not waited for
-        (a shutdown on SIGTERM must not sit out an analyzer's timeout_s)."""
+        (a shutdown on SIGTERM must not sit out a reply) but aborted on the server, best effort, in the background."""
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._workers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            sessions, self._sessions = list(self._sessions), []
             cache_file, self._cache_file = self._cache_file, None
-        for s in sessions:
-            s.close()
+        self._abort_in_flight(None, then_close=True)
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001
+            pass
         if cache_file is not None:
             cache_file.close()
 
@@ -351,9 +423,6 @@ class LLMAnalyzer(Analyzer):
             rec.analysis = self._request_and_parse(prompt, n_steps, call, rec)
         except TransportError as e:
             rec.failure = f"transport: {e}"
-            if e.unreachable:
-                call.unreachable.set()
-                call.reason = str(e)
         except AnalysisParseError as e:
             rec.failure = f"parse: {e}"
         except Exception as e:  # never let one trajectory take the batch down
@@ -388,123 +457,243 @@ class LLMAnalyzer(Analyzer):
 
     def _request_and_parse(self, prompt: str, n_steps: int, call: _Call, rec: AnalysisRecord) -> Analysis:
         candidates = range(n_steps)
-        answer = sanitize_reply(self._chat(prompt, call, rec))  # untrusted text: cleaned and capped at the boundary
+        # untrusted text: cleaned and capped at the boundary
+        answer = sanitize_reply(self._chat(prompt, call, rec).text())
         rec.replies.append(answer)
         try:
-            return parse_analysis(answer, candidates, self.max_step_skills)
+            return parse_analysis(answer, candidates, self.max_step_skills, rules=self.parser)
         except AnalysisParseError as first_error:
             self._count("reasks")
             rec.reasked = True
             reask = build_reask_prompt(prompt, answer, str(first_error))
-            answer2 = sanitize_reply(self._chat(reask, call, rec))
+            answer2 = sanitize_reply(self._chat(reask, call, rec).text())
             rec.replies.append(answer2)
             try:
-                return parse_analysis(answer2, candidates, self.max_step_skills)
+                return parse_analysis(answer2, candidates, self.max_step_skills, rules=self.parser)
             except AnalysisParseError as second_error:
                 raise AnalysisParseError(f"after one re-ask: {second_error} (first reply: {first_error})") from None
 
     # ------------------------------------------------------------------------------------------------------------
-    # HTTP
+    # Requests
     # ------------------------------------------------------------------------------------------------------------
-    def _session(self) -> requests.Session:
-        s = getattr(self._local, "session", None)
-        if s is None:
-            s = requests.Session()
-            adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=2, max_retries=0)
-            s.mount("http://", adapter)
-            s.mount("https://", adapter)
-            s.headers.update({"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"})
-            self._local.session = s
-            with self._lock:
-                self._sessions.append(s)
-        return s
+    def probe(self, max_tokens: int = PROBE_MAX_TOKENS) -> ProbeResult:
+        """One short request before any analysis: whether the endpoint answers, with this key and this model.
+        Whether the server is SGLang (GET /model_info answers with a model_path) is found out first when not given.
+        Connection errors, timeouts, 5xx and empty replies are retried like any request; a 4xx is final. Raises
+        AnalyzerUnavailable with one line naming the endpoint, the reason and the config key to check."""
+        if self.sglang is None:
+            self.sglang = self._looks_like_sglang()
+        call, rec = _Call(None), AnalysisRecord(traj_id="probe", prompt=PROBE_PROMPT)
+        t0 = time.monotonic()
+        try:
+            reply = self._chat(PROBE_PROMPT, call, rec, max_tokens=max_tokens, final_4xx=True)
+        except openai.APIStatusError as e:
+            raise AnalyzerUnavailable(self._probe_status_message(e)) from None
+        except TransportError as e:
+            raise AnalyzerUnavailable(f"analyzer: no usable reply from {self.base_url} for model {self.model!r} "
+                                      f"({self._scrub(_short(e, 300))}): check analyzer.base_url and that the server "
+                                      "is up") from None
+        seconds = time.monotonic() - t0
+        rate = None
+        if reply.tokens > 1 and reply.last_token_s is not None and reply.first_token_s is not None \
+                and reply.last_token_s > reply.first_token_s:
+            rate = (reply.tokens - 1) / (reply.last_token_s - reply.first_token_s)
+        return ProbeResult(url=self.base_url, model=self.model, seconds=seconds, first_token_s=reply.first_token_s,
+                           tokens=reply.tokens, tokens_per_s=rate, sglang=bool(self.sglang))
 
-    def _payload(self, prompt: str, json_mode: Optional[str]) -> dict:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-        if json_mode == "json_object":
-            body["response_format"] = {"type": "json_object"}
-        elif json_mode == "json_schema":
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "hindsight_analysis", "schema": ANALYSIS_JSON_SCHEMA}}
-        return body
+    def _looks_like_sglang(self) -> bool:
+        try:
+            r = self._http.get(self.server_root + "/model_info", timeout=min(self.connect_timeout_s, 10.0))
+            return r.status_code == 200 and isinstance(r.json(), dict) and "model_path" in r.json()
+        except Exception:  # noqa: BLE001 - any other server: no rid, no abort
+            return False
 
-    def _backoff(self, retry: int, retry_after: Optional[float]) -> float:
-        delay = min(self.backoff_max_s, self.backoff_s * (2.0 ** min(retry, 64)))  # no float overflow
-        with self._lock:
-            delay = delay / 2 + self._rng.uniform(0, delay / 2)  # "equal jitter": spread, never below half
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, self.backoff_max_s))
-        return delay
+    def _probe_status_message(self, e: "openai.APIStatusError") -> str:
+        status = e.status_code
+        detail = self._scrub(_short(getattr(e, "message", e), 200))
+        if status in (401, 403):
+            return (f"analyzer: {self.base_url} refused the API key (HTTP {status}: {detail}): check analyzer.api_key "
+                    "or the environment variable analyzer.api_key_env names")
+        if status == 404:
+            served = self._served_models()
+            return (f"analyzer: HTTP 404 from {self.url} for model {self.model!r} ({detail}): check analyzer.model "
+                    f"and analyzer.base_url" + (f" (the server lists: {', '.join(served)})" if served else ""))
+        return f"analyzer: the probe request to {self.url} failed (HTTP {status}: {detail})"
 
-    def _chat(self, prompt: str, call: _Call, rec: AnalysisRecord) -> str:
-        """The text of one chat completion; TransportError after `max_retries` retries of transient errors."""
-        json_mode = None if self._json_rejected else self.json_mode
-        tried_without_json = False
-        retry = 0
+    def _served_models(self) -> list:
+        try:
+            return [m.id for m in self._client.models.list(timeout=5.0).data][:8]
+        except Exception:  # noqa: BLE001
+            return []
+
+    def _backoff(self, retry: int) -> float:
+        """The wait before retry `retry` (1-based): backoff_s x 2^(retry-1), capped at backoff_max_s."""
+        return min(self.backoff_max_s, self.backoff_s * (2.0 ** min(retry - 1, 64)))  # no float overflow
+
+    def _chat(self, prompt: str, call: _Call, rec: AnalysisRecord, max_tokens: Optional[int] = None,
+              final_4xx: bool = False) -> "_Reply":
+        """One completion's text (as _Reply) after at most 1 + max_retries attempts; TransportError after the last
+        one fails, or when the call's deadline passes / the analyzer closes. `final_4xx` (the probe): an HTTP 4xx
+        is raised at once (openai.APIStatusError)."""
+        response_format = None if self._format_rejected else self.response_format
+        tried_without_format = False
+        tries = 0
         while True:
-            if call.unreachable.is_set():
-                raise TransportError(f"server unreachable ({call.reason})", unreachable=True)
             if self._stop.is_set():
                 raise TransportError("analyzer closed")
             left = call.left()
             if left is not None and left <= 0:
                 raise TransportError(call.deadline_failure())
-            read_s = self.timeout_s if left is None else min(self.timeout_s, left)
+            tries += 1
             self._count("requests")
             rec.attempts += 1
-            retry_after = None
-            unreachable = False
             try:
-                resp = self._session().post(self.url, json=self._payload(prompt, json_mode),
-                                            timeout=(min(self.connect_timeout_s, read_s), read_s))
-            except requests.exceptions.ConnectionError as e:  # refused, reset, DNS; ConnectTimeout is one too
-                unreachable = True
-                error = f"{type(e).__name__} to {self.url}: {_short(e)}"
-            except requests.exceptions.Timeout as e:
-                if read_s < self.timeout_s:  # cut short by the deadline
-                    raise TransportError(call.deadline_failure()) from None
-                error = f"timeout after {self.timeout_s:g} s ({type(e).__name__})"
-            except requests.exceptions.RequestException as e:
+                reply = self._request(prompt, call, response_format, max_tokens or self.max_tokens)
+            except _Stop as e:
+                raise TransportError(str(e)) from None
+            except openai.APIStatusError as e:
+                if e.status_code in (400, 422) and response_format is not None and not tried_without_format:
+                    # probably response_format is unsupported: once more without it (not counted as a retry)
+                    tried_without_format, response_format = True, None
+                    tries -= 1
+                    self._count("response_format_fallbacks")
+                    continue
+                if final_4xx and 400 <= e.status_code < 500:
+                    raise
+                error = f"HTTP {e.status_code}: {_short(getattr(e, 'message', e))}"
+            except Exception as e:  # noqa: BLE001 - the reference retries every exception
+                if isinstance(e, EmptyReply):
+                    self._count("empty_replies")
+                elif isinstance(e, Stalled):
+                    self._count("stalls")
                 error = f"{type(e).__name__}: {_short(e)}"
             else:
-                status = resp.status_code
-                if status == 200:
-                    try:
-                        content = _message_text(resp.json())
-                    except ValueError as e:  # a broken body from a healthy-looking server: transient
-                        error = f"bad response body: {e}"
-                    else:
-                        if tried_without_json and not self._json_rejected:
-                            with self._lock:
-                                self._json_rejected = True
-                            logger.warning("LLM analyzer: %s rejected response_format=%s (HTTP 400); "
-                                           "sending requests without it from now on", self.url, self.json_mode)
-                        return content
-                elif status in (400, 422) and json_mode is not None and not tried_without_json:
-                    # Probably response_format is unsupported: once more without it (not a transport retry).
-                    tried_without_json = True
-                    json_mode = None
-                    self._count("json_mode_fallbacks")
-                    continue
-                elif status in _RETRY_STATUS or status >= 500:
-                    error = f"HTTP {status}: {_short(resp.text)}"
-                    retry_after = _retry_after(resp.headers.get("Retry-After"))
-                else:
-                    raise TransportError(f"HTTP {status} from {self.url}: {_short(resp.text)}")
-            if retry >= self.max_retries:
-                raise TransportError(f"{error} (after {retry} retries)", unreachable=unreachable)
-            delay = self._backoff(retry, retry_after)
-            retry += 1
+                if tried_without_format and not self._format_rejected:
+                    with self._lock:
+                        self._format_rejected = True
+                    logger.warning("LLM analyzer: %s rejected response_format=%s (HTTP 400/422); sending requests "
+                                   "without it from now on", self.url, self.response_format)
+                return reply
+            if tries >= 1 + self.max_retries:
+                raise TransportError(f"{error} (after {tries} attempts)")
+            delay = self._backoff(tries)
             self._count("retries")
-            logger.debug("LLM analyzer: %s; retry %d/%d in %.2f s", error, retry, self.max_retries, delay)
+            logger.debug("LLM analyzer: %s; retry %d/%d in %.2f s", error, tries, self.max_retries, delay)
             left = call.left()
             if self._stop.wait(delay if left is None else max(0.0, min(delay, left))):
                 raise TransportError("analyzer closed")
+
+    def _request(self, prompt: str, call: _Call, response_format: Optional[str], max_tokens: int) -> "_Reply":
+        """One streamed chat completion. Raises _Stop (deadline / closed), Stalled (no progress), EmptyReply, or
+        whatever the transport raised; a request given up after it was sent is aborted on the server."""
+        rid = f"opid-analyzer-{uuid.uuid4().hex}" if self.sglang else None
+        kwargs: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                                  "max_tokens": max_tokens, "stream": True}
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if response_format is not None:
+            kwargs["response_format"] = _RESPONSE_FORMAT_BODY[response_format]
+        if rid:
+            kwargs["extra_body"] = {"rid": rid}
+        t0 = time.monotonic()
+        read_s = self.stall_timeout_s if self.timeout_s is None else min(self.stall_timeout_s, self.timeout_s)
+        left = call.left()
+        if left is not None:
+            read_s = max(0.01, min(read_s, left))
+        timeout = httpx.Timeout(read_s, connect=min(self.connect_timeout_s, read_s))
+        reply = _Reply()
+        completed = False
+        self._track(rid, call)
+        try:
+            with self._client.chat.completions.with_streaming_response.create(**kwargs, timeout=timeout) as resp:
+                if "text/event-stream" not in resp.headers.get("content-type", ""):
+                    reply.take_message(resp.json(), time.monotonic() - t0)  # a server that ignored stream=true
+                else:
+                    last = t0
+                    for chunk in resp.parse():
+                        now = time.monotonic()
+                        if reply.take_chunk(chunk, now - t0):
+                            last = now
+                        why = self._give_up(call, t0, last, now)
+                        if why:
+                            self._stopped(why, call)
+            if reply.finish_reason == "abort":
+                raise RuntimeError("the server aborted the request")
+            completed = True
+        except (httpx.TimeoutException, openai.APITimeoutError):
+            now = time.monotonic()
+            self._stopped(self._give_up(call, t0, now, now, timed_out=True), call)
+        except openai.APIStatusError:
+            completed = True  # the server answered with an error: nothing of this request runs there
+            raise
+        finally:
+            # aborted here unless the call's deadline or close() already claimed (and aborts) it
+            if self._untrack(rid, call) and not completed:
+                self._abort(rid)
+        text = reply.text()
+        if not text.strip():
+            raise EmptyReply(f"empty reply (finish_reason={reply.finish_reason})")
+        return reply
+
+    def _give_up(self, call: _Call, t0: float, last: float, now: float, timed_out: bool = False) -> Optional[str]:
+        """Why to stop reading a reply now (None: go on). `timed_out`: a socket read timed out."""
+        if self._stop.is_set():
+            return "closed"
+        left = call.left()
+        if left is not None and left <= (0.05 if timed_out else 0.0):
+            return "deadline"
+        if self.timeout_s is not None and now - t0 >= self.timeout_s - (0.05 if timed_out else 0.0):
+            return "timeout"
+        if timed_out or now - last > self.stall_timeout_s:
+            return "stall"
+        return None
+
+    def _stopped(self, why: Optional[str], call: _Call):
+        if why == "closed":
+            raise _Stop("analyzer closed")
+        if why == "deadline":
+            raise _Stop(call.deadline_failure())
+        if why == "timeout":
+            raise Stalled(f"the reply was not complete after analyzer.timeout_s={self.timeout_s:g} s")
+        raise Stalled(f"no token for analyzer.stall_timeout_s={self.stall_timeout_s:g} s")
+
+    def _track(self, rid: Optional[str], call: _Call) -> None:
+        if rid:
+            with self._lock:
+                self._inflight[rid] = call
+
+    def _untrack(self, rid: Optional[str], call: _Call) -> bool:
+        """Whether `rid` was still in flight (not claimed by _abort_in_flight)."""
+        if not rid:
+            return False
+        with self._lock:
+            return self._inflight.pop(rid, None) is not None
+
+    def _abort(self, rid: str) -> None:
+        """POST /abort_request {"rid": rid} (SGLang): the server stops decoding a request the client gave up on."""
+        self._count("aborts")
+        try:
+            self._http.post(self.server_root + "/abort_request", json={"rid": rid}, timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - best effort: a dead server runs nothing anyway
+            logger.debug("LLM analyzer: abort of %s failed: %s", rid, _short(e))
+
+    def _abort_in_flight(self, call: Optional[_Call], then_close: bool = False) -> None:
+        """Abort (in a background thread) the requests in flight of `call` (None: all of them)."""
+        with self._lock:  # claimed: their workers do not abort them again
+            rids = [r for r, c in self._inflight.items() if call is None or c is call]
+            for r in rids:
+                del self._inflight[r]
+
+        def run():
+            for rid in rids:
+                self._abort(rid)
+            if then_close:
+                self._http.close()
+
+        if rids:
+            threading.Thread(target=run, name="llm-analyzer-abort", daemon=True).start()
+        elif then_close:
+            self._http.close()
 
     # ------------------------------------------------------------------------------------------------------------
     # Cache, stats, audit
@@ -533,6 +722,9 @@ class LLMAnalyzer(Analyzer):
         path = self._cache_path
         if path is None or not path.exists():
             return
+        from opid_mega.jsonl import cut_to_last_line
+
+        cut_to_last_line(path)  # a torn last line of a killed run: the next record must start on its own line
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()  # a torn UTF-8 byte: that line only
         bad = 0
         for line in lines:
@@ -563,28 +755,61 @@ class LLMAnalyzer(Analyzer):
             logger.exception("writing the analysis audit record failed")
 
 
+class _Reply:
+    """A streamed (or whole) completion as it arrives: content and reasoning pieces, their timing."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: Optional[str] = None
+        self.tokens = 0  # pieces with text
+        self.first_token_s: Optional[float] = None
+        self.last_token_s: Optional[float] = None
+
+    def _add(self, content: Any, reasoning: Any, at: float) -> bool:
+        got = False
+        if isinstance(content, str) and content:
+            self.content.append(content)
+            got = True
+        if isinstance(reasoning, str) and reasoning:
+            self.reasoning.append(reasoning)
+            got = True
+        if got:
+            self.tokens += 1
+            self.first_token_s = at if self.first_token_s is None else self.first_token_s
+            self.last_token_s = at
+        return got
+
+    def take_chunk(self, chunk: Any, at: float) -> bool:
+        """One SSE chunk; True when it carried text (progress)."""
+        got = False
+        for choice in getattr(chunk, "choices", None) or ():
+            delta = getattr(choice, "delta", None)
+            got |= self._add(getattr(delta, "content", None), getattr(delta, "reasoning_content", None), at)
+            if getattr(choice, "finish_reason", None):
+                self.finish_reason = choice.finish_reason
+        return got
+
+    def take_message(self, body: Any, at: float) -> None:
+        """A whole (non-streamed) chat completion body."""
+        try:
+            choice = body["choices"][0]
+            msg = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"no choices[0].message in {_short(body)!r}") from None
+        if not isinstance(msg, dict):
+            raise ValueError(f"choices[0].message is {type(msg).__name__}, not an object")
+        self._add(msg.get("content"), msg.get("reasoning_content"), at)
+        self.finish_reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+
+    def text(self) -> str:
+        """The text parsed (the reference's): the reasoning content, a newline, then the content."""
+        return "".join(self.reasoning) + "\n" + "".join(self.content)
+
+
 def _copy(a: Optional[Analysis]) -> Optional[Analysis]:
     """Each trajectory gets its own Analysis object (callers may edit theirs)."""
     return None if a is None else dataclasses.replace(a, step_skills=dict(a.step_skills))
-
-
-def _message_text(body: Any) -> str:
-    """choices[0].message.content of a chat completion (reasoning_content when content is empty)."""
-    try:
-        msg = body["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        raise ValueError(f"no choices[0].message in {str(body)[:200]!r}") from None
-    content = msg.get("content") if isinstance(msg, dict) else None
-    if not content and isinstance(msg, dict):
-        content = msg.get("reasoning_content")
-    return content if isinstance(content, str) else ""
-
-
-def _retry_after(value: Optional[str]) -> Optional[float]:
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
 
 
 def _short(obj: Any, n: int = 200) -> str:

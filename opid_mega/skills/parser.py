@@ -1,23 +1,33 @@
-"""Lenient parsing of analyzer replies (OPID.md §3 and "Reference rules in detail: Parsing").
+"""Lenient parsing of analyzer replies (OPID.md §3, "Reference rules in detail: Parsing" and "More reference facts:
+Parser edge cases").
 
-The reference's rules, in order:
+`parse_analysis(text, candidates, K, rules="reference")` follows the reference's rules (analyzer.parser=reference):
   * candidates: each fenced block (```json ... ``` or any other tag, or none), then the whole reply;
   * each candidate as is, then with trailing commas (`,` before `}` / `]`) removed;
   * in each, a non-strict JSON `raw_decode` at every `{` (control characters such as raw newlines and tabs inside
-    strings are accepted; text after the object is ignored); failing that, `ast.literal_eval` on every
-    balanced-brace slice (python-style dicts: single quotes, True/None, int keys);
-  * the first object (a dict) holding an `episode_skill` key wins;
-  * `episode_skill` must be a non-empty string (an empty one is a parse failure), `episode_summary` a string
-    (anything else counts as "");
-  * `step_skills` (a dict; anything else counts as {}): keys → int (keys that are not integers are dropped),
-    values → str (a None value is dropped); keys outside the candidate set are dropped; then the first K in the
-    reply's order are kept. Empty/whitespace step skills that survive this are dropped afterwards (no section is
-    ever rendered for them), so they still count towards K, as in the reference.
+    strings are accepted; text after the object is ignored); the first object (a dict) holding an `episode_skill`
+    key wins;
+  * only when no JSON object at all was found (in any candidate): `ast.literal_eval` on every balanced-brace slice
+    (python-style dicts: single quotes, True/None, int keys), the first dict holding `episode_skill` wins;
+  * `episode_skill`: a non-string value goes through str() and is accepted (`null` -> "None"); an empty one is a
+    parse failure; `episode_summary` a string (anything else counts as "");
+  * `step_skills` (a dict; anything else counts as {}): every key through int() (a key int() refuses is dropped;
+    float and bool keys are truncated / 0-1), every value through str() (`null` -> "None"); duplicate keys after
+    that: the last value wins (at the first one's place); keys outside the candidate set are dropped; then the first
+    K in the reply's order are kept. Empty/whitespace step skills that survive this are dropped afterwards (no
+    section is ever rendered for them), so they still count towards K, as in the reference.
+
+rules="ours" (analyzer.parser=ours) is this project's earlier, stricter choice on the edge cases: a `null` step
+value is dropped (no "None" skill), of duplicate keys the first wins, only int keys and digit strings are step
+indices (float and bool keys are dropped), a non-string `episode_skill` is a parse failure; and the Python-literal
+fallback is tried in each candidate right after its JSON objects (so a python-style dict is found even when the
+reply also holds an unrelated JSON object).
+
 Anything unusable raises `AnalysisParseError`, never another exception.
 
 Untrusted text (opid_mega.skills.sanitize): the reply is sanitised before parsing (cut to MAX_REPLY_CHARS, control
 characters and lone surrogates replaced) and so is every string of the result (a `\\ud800` escape inside the JSON
-decodes to a lone surrogate); a step key of more than MAX_STEP_KEY_DIGITS digits is no integer (dropped).
+decodes to a lone surrogate); with rules="ours" a step key of more than MAX_STEP_KEY_DIGITS digits is no integer.
 """
 from __future__ import annotations
 
@@ -110,7 +120,10 @@ def _candidates(text: str) -> Iterator[str]:
                 yield variant
 
 
-def _find_object(text: str) -> dict | None:
+PARSER_RULES = ("reference", "ours")
+
+
+def _find_object_ours(text: str) -> dict | None:
     for cand in _candidates(text):
         if _KEY not in cand:  # the key must appear literally in an object that holds it: skip the work
             continue
@@ -121,39 +134,106 @@ def _find_object(text: str) -> dict | None:
     return None
 
 
+def _find_object_reference(text: str) -> tuple[dict | None, bool]:
+    """(the first JSON object holding the key, or else — only when no JSON object at all was found — the first
+    python-literal dict holding it; whether any JSON object was found)."""
+    found_json = False
+    for cand in _candidates(text):
+        has_key = _KEY in cand
+        for obj in _json_objects(cand):  # raw_decode at a `{` yields dicts only
+            found_json = True
+            if not has_key:
+                break  # no object here can hold the key; one object is enough to know JSON was found
+            if isinstance(obj, dict) and _KEY in obj:
+                return obj, True
+    if found_json:
+        return None, True
+    for cand in _candidates(text):
+        if _KEY not in cand:
+            continue
+        for obj in _python_objects(cand):
+            if isinstance(obj, dict) and _KEY in obj:
+                return obj, False
+    return None, False
+
+
 def _as_int(key: Any) -> int | None:
-    """A step key as an int (an int, or a string of digits with optional sign and surrounding space); None otherwise.
-    Negative and huge keys (more than MAX_STEP_KEY_DIGITS digits: int() would raise) are None: never a step, so they
-    are skipped like any key outside the candidate set."""
+    """rules=ours: a step key as an int (an int, or a string of digits with optional sign and surrounding space);
+    None otherwise. Negative and huge keys (more than MAX_STEP_KEY_DIGITS digits: int() would raise) are None: never
+    a step, so they are skipped like any key outside the candidate set."""
     return step_index(key)
 
 
-def _as_str(value: Any) -> str | None:
-    if value is None:
+def _int_like_reference(key: Any) -> int | None:
+    """rules=reference: int(key), None where int() refuses it (floats are truncated, True/False are 1/0)."""
+    try:
+        return int(key)
+    except Exception:  # noqa: BLE001 - ValueError, TypeError, OverflowError (inf): not a step index
         return None
+
+
+def _as_str(value: Any) -> str | None:
+    """str(value); None when even that fails (e.g. a container too deep to print)."""
     if isinstance(value, str):
         return value
     try:
         return str(value)
-    except Exception:  # noqa: BLE001 - e.g. a container too deep to print
+    except Exception:  # noqa: BLE001
         return None
 
 
-def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: int) -> Analysis:
-    """Parse an analyzer reply into an `Analysis` (see the module docstring); `AnalysisParseError` if unusable."""
+def _step_skills_reference(raw: dict, candidates: set, k: int) -> dict[int, str]:
+    converted: dict[int, str] = {}
+    for key, value in raw.items():
+        idx, val = _int_like_reference(key), _as_str(value)
+        if idx is None or val is None:
+            continue
+        converted[idx] = val  # duplicates: the last value wins, at the first one's place
+    return dict([(i, v) for i, v in converted.items() if i in candidates][:max(k, 0)])
+
+
+def _step_skills_ours(raw: dict, candidates: set, k: int) -> dict[int, str]:
+    kept: dict[int, str] = {}
+    for key, value in raw.items():
+        if len(kept) >= k:
+            break
+        idx, val = _as_int(key), (None if value is None else _as_str(value))
+        if idx is None or val is None or idx not in candidates or idx in kept:
+            continue  # duplicates: the first wins
+        kept[idx] = val
+    return kept
+
+
+def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: int,
+                   rules: str = "reference") -> Analysis:
+    """Parse an analyzer reply into an `Analysis` (see the module docstring); `AnalysisParseError` if unusable.
+    `rules`: "reference" (analyzer.parser default) or "ours"."""
+    if rules not in PARSER_RULES:
+        raise ValueError(f"parse_analysis: rules={rules!r}, allowed: {', '.join(PARSER_RULES)}")
     if not isinstance(text, str):
         raise AnalysisParseError(f"reply is {type(text).__name__}, not text")
     text = sanitize_reply(text)
     candidates = set(candidate_steps)
+    found_json = False
     try:
-        obj = _find_object(text)
+        if rules == "reference":
+            obj, found_json = _find_object_reference(text)
+        else:
+            obj = _find_object_ours(text)
     except RecursionError:
         obj = None
     if obj is None:
+        if found_json:
+            raise AnalysisParseError("no JSON object with an 'episode_skill' key found (JSON objects without it were "
+                                     "found, so python-style dicts were not tried)")
         raise AnalysisParseError("no JSON object with an 'episode_skill' key found")
     skill = obj[_KEY]
     if not isinstance(skill, str):
-        raise AnalysisParseError(f"'episode_skill' is {type(skill).__name__}, not a string")
+        if rules == "ours":
+            raise AnalysisParseError(f"'episode_skill' is {type(skill).__name__}, not a string")
+        skill = _as_str(skill)
+        if skill is None:
+            raise AnalysisParseError("'episode_skill' cannot be turned into text")
     skill = clean_text(skill)
     if not skill.strip():
         raise AnalysisParseError("'episode_skill' is empty")
@@ -162,12 +242,8 @@ def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: i
     raw_steps = obj.get("step_skills")
     kept: dict[int, str] = {}
     if isinstance(raw_steps, dict):
-        for key, value in raw_steps.items():
-            if len(kept) >= max_step_skills:
-                break
-            idx, val = _as_int(key), _as_str(value)
-            if idx is None or val is None or idx not in candidates or idx in kept:
-                continue
-            kept[idx] = clean_text(val)
-    step_skills = {idx: val.strip() for idx, val in kept.items() if val.strip()}
+        pick = _step_skills_reference if rules == "reference" else _step_skills_ours
+        kept = pick(raw_steps, candidates, max_step_skills)
+    step_skills = {idx: clean_text(val).strip() for idx, val in kept.items()}
+    step_skills = {idx: val for idx, val in step_skills.items() if val}
     return Analysis(episode_summary=summary, episode_skill=skill.strip(), step_skills=step_skills)

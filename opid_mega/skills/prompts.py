@@ -1,7 +1,18 @@
-"""Analyzer prompts (OPID.md §3): success asks for a reusable workflow, failure for avoidance rules."""
+"""Analyzer prompts (OPID.md §3 and "More reference facts: Analyzer prompt content"), in this project's words.
+
+One prompt per finished trajectory: the task, the outcome label, the candidate step indices (every step), then one
+block of lines per step (its 0-based index, the raw observation, the full policy response, the discounted return
+with 6 decimals), the outcome's instruction (success: a reusable workflow; failure: the core mistake and the warning
+signs to avoid, never "what to do instead"), and the reply format: exactly three JSON fields (episode_summary,
+episode_skill, step_skills) with the constraints the reference lists (0-based indices, actionable guidance rather
+than a story, step_skills keyed by the chosen critical steps, at most K = min(K, T) of them).
+"""
 from __future__ import annotations
 
 from opid_mega.skills.types import TrajectoryView
+
+# The re-ask quotes this many characters from the end of the unusable reply (the reference's value).
+REASK_TAIL_CHARS = 2000
 
 
 def discounted_returns(rewards: list[float], gamma: float = 0.95) -> list[float]:
@@ -14,59 +25,68 @@ def discounted_returns(rewards: list[float], gamma: float = 0.95) -> list[float]
     return out
 
 
-_SUCCESS = (
-    "The agent SUCCEEDED. Distil a reusable WORKFLOW: the general sequence of sub-goals and actions that solved this "
-    "task, written so that it transfers to similar tasks (episode_skill). Then pick the critical steps that made "
-    "the success possible and, for each, write one imperative sentence saying what to do at such a step."
-)
-_FAILURE = (
-    "The agent FAILED. Distil AVOIDANCE RULES: the mistakes that caused the failure and what to do instead, written "
-    "so that they transfer to similar tasks (episode_skill). Then pick the critical steps where the trajectory went "
-    "wrong and, for each, write one imperative sentence saying what to do instead at such a step."
-)
+_INTRO = ("You are reviewing one finished episode of a language agent in hindsight. Your goal is guidance that "
+          "helps the same agent act better on similar tasks.")
+_SUCCESS = ("The agent succeeded. Extract a reusable workflow from this episode: the order of sub-goals and the key "
+            "actions that achieved the task, stated generally enough to carry over to similar tasks.")
+_FAILURE = ("The agent failed. Identify the core mistake that made this episode fail and the warning signs that "
+            "should have told the agent it was going wrong, stated as things to avoid on similar tasks.")
+_SUCCESS_FIELD = "the reusable workflow, as guidance for the whole episode"
+_FAILURE_FIELD = "the core mistake and its warning signs, as guidance on what to avoid in the whole episode"
 
 
 def build_analysis_prompt(traj: TrajectoryView, max_step_skills: int = 5, gamma: float = 0.95) -> str:
-    """One analyzer prompt per completed trajectory: task, outcome, candidate steps, one line per step."""
+    """The analyzer prompt of one finished trajectory (see the module docstring)."""
     steps = traj.step_views()
     returns = discounted_returns([s.reward for s in steps], gamma)
+    k = min(max_step_skills, len(steps))
     candidates = ", ".join(str(i) for i in range(len(steps)))
     lines = [
-        "You are an expert analyst of language-agent trajectories. Study the trajectory below in hindsight.",
+        _INTRO,
         "",
         f"Task: {traj.task}",
         f"Outcome: {'success' if traj.won else 'failure'}",
+        f"Candidate step indices: [{candidates}]",
+        "",
+        f"Trajectory ({len(steps)} steps; the discounted return of a step sums the rewards from that step on, "
+        f"discounted by gamma = {gamma:g}):",
+    ]
+    for i, (s, g) in enumerate(zip(steps, returns)):
+        lines += [
+            "",
+            f"Step {i}",
+            f"Observation: {s.raw_obs.strip()}",
+            f"Response: {s.response.strip()}",
+            f"Discounted return: {g:.6f}",
+        ]
+    lines += [
         "",
         _SUCCESS if traj.won else _FAILURE,
         "",
-        f"Candidate step indices: [{candidates}]",
-        "",
-        "Trajectory (0-based step index, raw observation, full agent response, discounted return-to-go "
-        f"with gamma={gamma}):",
-    ]
-    for i, (s, g) in enumerate(zip(steps, returns)):
-        obs = " ".join(s.raw_obs.split())
-        resp = " ".join(s.response.split())
-        lines.append(f"[Step {i}] observation: {obs} | response: {resp} | return-to-go: {g:.4f}")
-    lines += [
-        "",
-        f"Choose at most {max_step_skills} critical steps, only from the candidate indices.",
-        "Reply with ONE JSON object and nothing else, in exactly this form:",
-        '{"episode_summary": "<one or two sentences on what happened>", '
-        '"episode_skill": "<the workflow or the avoidance rules>", '
-        '"step_skills": {"<step index>": "<one imperative sentence>"}}',
+        "Reply with one JSON object that has exactly these three fields:",
+        '- "episode_summary": a brief account of what happened in the episode;',
+        f'- "episode_skill": {_SUCCESS_FIELD if traj.won else _FAILURE_FIELD};',
+        '- "step_skills": an object whose keys are the indices of the critical steps you choose and whose values '
+        "are the guidance for each of those steps.",
+        "Constraints:",
+        "- Step indices are 0-based, as numbered above, and come from the candidate list.",
+        f'- Choose at most {k} critical steps; the keys of "step_skills" are exactly the steps you chose.',
+        "- Write every skill as guidance the agent can act on when it faces that decision, not as a story of what "
+        "happened.",
+        "- Output the JSON object only.",
     ]
     return "\n".join(lines)
 
 
-def build_reask_prompt(original_prompt: str, bad_answer: str, error: str, tail_chars: int = 600) -> str:
-    """The single re-ask after an unparsable reply: the error and the tail of the bad answer."""
-    tail = bad_answer[-tail_chars:]
+def build_reask_prompt(original_prompt: str, bad_answer: str, error: str,
+                       tail_chars: int = REASK_TAIL_CHARS) -> str:
+    """The single re-ask after an unusable reply: the problem and the last `tail_chars` characters of the reply."""
+    tail = bad_answer[-tail_chars:] if tail_chars > 0 else ""
     return (
         f"{original_prompt}\n\n"
         "Your previous reply could not be used.\n"
         f"Problem: {error}\n"
         f"End of your previous reply:\n{tail}\n\n"
-        "Reply again with ONE valid JSON object with the keys episode_summary, episode_skill (non-empty) and "
+        "Reply again with ONE valid JSON object with the fields episode_summary, episode_skill (non-empty) and "
         "step_skills (keys are candidate step indices), and nothing else."
     )

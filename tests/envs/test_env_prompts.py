@@ -90,22 +90,109 @@ def test_format_response_roundtrip(family, action):
     assert parse_action(resp, family=family) == action
 
 
-# ---- prompts ---------------------------------------------------------------------------------------------------
+# ---- prompts: the reference's template facts (OPID.md "More reference facts", Environment templates) --------------
+ALF_OBS0 = ("You are in the middle of a room. Looking quickly around you, you see a cabinet 1.\n\n"
+            "Your task is to: put a mug in sink.")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("template", ["reference", "ours"])
 @pytest.mark.parametrize("n_hist", [0, 1, 7])
-def test_prompt_task_line_and_closing_paragraph(family, n_hist):
+def test_closing_paragraph_starts_with_the_anchor(family, template, n_hist):
+    """Every template ends with a closing paragraph of its own that begins "Now it's your turn to" at the start of
+    a line after a blank line; it is the first occurrence of the anchor, and it asks for the env's tags."""
     task = "put a clean mug in\ncoffeemachine"  # a newline in the task must not break the task line
     prompt = build_prompt(family, task, _history(n_hist), "you see a mug 1", ["go to mug 1", "look"],
-                          history_length=3, step_count=n_hist)
-    lines = prompt.split("\n")
-    assert "put a clean mug in coffeemachine" in lines[0]
-    anchors = [i for i, ln in enumerate(lines) if ln.startswith(CLOSING_ANCHOR)]
-    assert len(anchors) == 1
-    assert lines[anchors[0] - 1] == ""  # the closing paragraph is its own paragraph
-    assert "<think>" in "\n".join(lines[anchors[0]:])
-    assert ("<action>" if family != "search" else "<answer>") in "\n".join(lines[anchors[0]:])
+                          history_length=3, step_count=n_hist, template=template)
+    assert CLOSING_ANCHOR == "Now it's your turn to"
+    at = prompt.find(CLOSING_ANCHOR)
+    assert at > 2 and prompt[at - 2:at] == "\n\n" and prompt.count(CLOSING_ANCHOR) == 1
+    closing = prompt[at:]
+    assert "<think>" in closing and ("<action>" if family != "search" else "<answer>") in closing
+    assert prompt.endswith("\n")
     if family != "search":
         assert "'go to mug 1'" in prompt and "you see a mug 1" in prompt
+
+
+def test_alfworld_step0_has_no_task_line_of_its_own():
+    """ALFWorld step 0 ("reference"): no history and no task line of its own — the only "Your task is to:" is the
+    first observation's last line — and the admissible actions are joined by a newline and a space."""
+    prompt = build_prompt("alfworld", "put a mug in sink", [], ALF_OBS0, ["go to sink 1", "look", "inventory"],
+                          history_length=5, step_count=0)
+    lines = prompt.split("\n")
+    assert lines[:7] == [
+        "You are an expert agent operating in the ALFRED Embodied Environment.",
+        "Your current observation is: You are in the middle of a room. Looking quickly around you, you see a "
+        "cabinet 1.",
+        "",
+        "Your task is to: put a mug in sink.",
+        "Your admissible actions of the current situation are: ['go to sink 1'",
+        " 'look'",
+        " 'inventory'].",
+    ]
+    assert lines[7] == "" and lines[8].startswith(CLOSING_ANCHOR) and prompt.count("Your task is to:") == 1
+    assert "Prior to this step" not in prompt
+
+
+@pytest.mark.parametrize("family", ["alfworld", "textworld"])
+def test_later_steps_open_with_the_task_line_and_join_with_newline_space(family):
+    prompt = build_prompt(family, "put a mug in sink", [(ALF_OBS0, "go to sink 1")], "You arrive at sink 1.",
+                          ["take mug 1 from sink 1", "look"], history_length=5, step_count=1)
+    lines = prompt.split("\n")
+    assert lines[0].endswith(". Your task is to: put a mug in sink")
+    assert lines[1] == ("Prior to this step, you have already taken 1 step(s). Below are the most recent 1 "
+                        "observations and the corresponding actions you took:")
+    assert "Your admissible actions of the current situation are: ['take mug 1 from sink 1'\n 'look']." in prompt
+
+
+def test_textworld_step0_follows_alfworld():
+    """TextWorld, our offline stand-in for ALFWorld, takes ALFWorld's step-0 rule: no task line of its own (its
+    env ends the first observation with the task line, tests/envs/test_textworld.py)."""
+    obs = "-= Cellar =-\nYou arrive in a cellar.\n\nYour task is to: Find the coin."
+    prompt = build_prompt("textworld", "Find the coin.", [], obs, ["go west", "look"], history_length=5, step_count=0)
+    assert prompt.startswith("You are an expert agent playing a TextWorld text adventure game.\n"
+                             "Your current observation is: -= Cellar =-\nYou arrive in a cellar.\n\n"
+                             "Your task is to: Find the coin.\n"
+                             "Your admissible actions of the current situation are: ['go west'\n 'look'].\n\n"
+                             "Now it's your turn to take an action.\n")
+
+
+def test_webshop_and_search_closings_of_their_own():
+    """WebShop's closing paragraph is its own (one action that best advances the shopping goal), Search-QA's too;
+    both begin with the anchor. WebShop keeps its task line at step 0."""
+    alf = build_prompt("alfworld", "t", [("o", "a")], "o", ["look"], 5, 1)
+    web = build_prompt("webshop", "buy a red shirt", [], "WebShop [SEP] Search", ["search[<your query>]"], 2, 0)
+    sea = build_prompt("search", "who?", [], "", [], 4, 0)
+    closings = [p[p.index(CLOSING_ANCHOR):] for p in (alf, web, sea)]
+    assert len(set(closings)) == 3
+    assert "shopping goal" in closings[1] and "one" in closings[1].split("\n")[0]
+    assert web.split("\n")[0].endswith("Your task is to: buy a red shirt")
+    assert "<search>" in closings[2] and "<answer>" in closings[2]
+
+
+def test_ours_template_relabelled():
+    """Ours (env.template=ours, this project's earlier templates): the task line opens every prompt, step 0 too;
+    actions joined by ", "; WebShop shares ALFWorld's closing."""
+    prompt = build_prompt("alfworld", "put a mug in sink", [], ALF_OBS0, ["go to sink 1", "look"], 5, 0,
+                          template="ours")
+    assert prompt.split("\n")[0].endswith("Your task is to: put a mug in sink")
+    assert "['go to sink 1', 'look']" in prompt
+    web = build_prompt("webshop", "shirt", [], "page", ["click[a]"], 2, 0, template="ours")
+    alf = build_prompt("alfworld", "shirt", [], "page", ["click[a]"], 5, 0, template="ours")
+    assert web[web.index(CLOSING_ANCHOR):] == alf[alf.index(CLOSING_ANCHOR):]
+    with pytest.raises(ValueError, match="unknown prompt template"):
+        build_prompt("alfworld", "t", [], "o", [], 5, 0, template="mine")
+
+
+def test_ours_template_is_the_text_before_the_switch():
+    """The warm-start cache keeps the keys of warm starts built before env.template existed only for prompts that
+    render exactly as then (opid_mega.sft.PROMPTS_BEFORE_TEMPLATES); Search-QA's template is the same in both."""
+    from opid_mega.envs.prompts import template_fingerprint
+    from opid_mega.sft import PROMPTS_BEFORE_TEMPLATES
+
+    for family, fp in PROMPTS_BEFORE_TEMPLATES.items():
+        assert template_fingerprint("ours", family) == fp
+        assert (template_fingerprint("reference", family) == fp) == (family == "search_qa")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -127,20 +214,6 @@ def test_history_window_slides(family):
     assert "action number" not in bare
     with pytest.raises(ValueError):
         build_prompt(family, "task", hist, "obs", [], history_length=-1, step_count=7)
-
-
-def test_prompt_contract_with_skill_injection():
-    from opid_mega.skills.injection import inject_skills, split_prompt
-
-    prompt = build_prompt("alfworld", "heat some egg and put it in garbagecan", _history(2), "obs", ["look"],
-                          history_length=5, step_count=2)
-    head, middle, tail = split_prompt(prompt)
-    assert head.startswith("You are an expert agent") and "heat some egg" in head
-    assert tail.startswith(CLOSING_ANCHOR) and middle
-    out = inject_skills(prompt, {"episode": "Find the egg first.", "step": "Heat it now."})
-    assert out.split("\n")[0] == prompt.split("\n")[0]
-    assert out.index("[Find the egg first.]") < out.index("Prior to this step") < out.index("[Heat it now.]") \
-        < out.index(CLOSING_ANCHOR)
 
 
 def test_webshop_actions_one_per_line():

@@ -49,8 +49,14 @@ def test_walkthrough_wins(env):
         obs = env.reset(task)
         assert "$$$$" not in obs and env.task_description
         prompt = env.build_prompt([], obs, history_length=5)
-        assert env.task_description in prompt.split("\n")[0]
-        assert any(line.startswith(CLOSING_ANCHOR) for line in prompt.split("\n"))
+        # as ALFWorld's (env.template=reference): the first observation ends with the task line, the prompt has no
+        # task line of its own, so the episode skill goes right before the admissible actions
+        assert obs.endswith(f"\n\nYour task is to: {env.task_description}")
+        assert env.task_description not in prompt.split("\n")[0]
+        lines = prompt.split("\n")
+        k = lines.index(f"Your task is to: {env.task_description}")
+        assert lines[k + 1].startswith("Your admissible actions")
+        assert any(line.startswith(CLOSING_ANCHOR) for line in lines)
         plan = env.walkthrough()
         assert plan
         history = []
@@ -83,6 +89,28 @@ def coin_env(textworld_cache):
     e = _env(textworld_cache, challenges=["coin_collector"], pool_size={"train": 1}, max_steps=100_000)
     yield e
     e.close()
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_first_observation_task_line_by_template(textworld_cache, process):
+    """env.template=reference: TextWorld's first observation ends with "Your task is to: <objective>" (ALFWorld's
+    shape; the step-0 prompt has no task line of its own); ours: the game's text alone, the task on the first
+    prompt line. The template reaches a worker process too."""
+    obs = {}
+    for template in ("reference", "ours"):
+        e = make_env("textworld", process=process, template=template, cache_dir=textworld_cache,
+                     challenges=["coin_collector"], pool_size={"train": 1})
+        try:
+            assert e.prompt_template == template
+            obs[template] = e.reset(e.task_pool("train")[0])
+            task = e.task_description
+            prompt = e.build_prompt([], obs[template], history_length=5)
+        finally:
+            e.close()
+        assert (task in prompt.split("\n")[0]) == (template == "ours")
+    assert obs["reference"] == obs["ours"] + f"\n\nYour task is to: {task}"
+    with pytest.raises(ValueError, match="template"):
+        make_env("textworld", process=False, template="mine")
 
 
 def test_invalid_noop_and_truncation(coin_env):

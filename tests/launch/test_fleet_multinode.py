@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from .test_launch import BASE_ENV, CONFIG, LAUNCH, free_port, metrics
+from .test_launch import BASE_ENV, CONFIG, LAUNCH, TWO_BY_TWO, free_port, metrics
+
+KEY = "fleet-test-key-0123456789"  # the run's API key (OPID_SGLANG_API_KEY), so this test can ask the router itself
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 ARGS = ["model.init_from=", "rollout.engine=sglang", "rollout.tasks_per_iter=2", "rollout.group_size=2",
         "env.max_steps=3", "rollout.max_response_tokens=48", "eval.interval=0", "eval.num_tasks=0",
@@ -23,7 +26,7 @@ ARGS = ["model.init_from=", "rollout.engine=sglang", "rollout.tasks_per_iter=2",
         "logging.tensorboard=false", "logging.progress=false", "parallel.tp=2",
         "deploy.rollout_servers_per_node=1", "deploy.balancer=router", "deploy.router_args=[--policy,round_robin]",
         "rollout.sglang_args=[--dtype,float32,--max-total-tokens,4096,--max-running-requests,8,"
-        "--disable-radix-cache]", "sync.check_interval=1"]
+        "--disable-radix-cache]", "sync.check_interval=1"] + TWO_BY_TWO
 
 
 def _server_pid(log: Path) -> int:
@@ -60,7 +63,7 @@ def _scheduler_pid(pgid: int) -> int:
 def test_two_nodes_two_servers_behind_router_lose_no_trajectory(tmp_path):
     run = tmp_path / "run"
     env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"localhost:{free_port()}",
-           "RDZV_ID": "fleet", "OMP_NUM_THREADS": "1"}
+           "RDZV_ID": "fleet", "OMP_NUM_THREADS": "1", "OPID_SGLANG_API_KEY": KEY}
     cmd = ["bash", str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "--run-dir", str(run)] + ARGS
     procs = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for n in (0, 1)]
@@ -83,7 +86,7 @@ def test_two_nodes_two_servers_behind_router_lose_no_trajectory(tmp_path):
         while True:  # the router has registered both workers (its registration talks to their schedulers)
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "router not ready"
             try:
-                workers = requests.get(router_url + "/workers", timeout=2).json().get("workers", [])
+                workers = requests.get(router_url + "/workers", timeout=2, headers=AUTH).json().get("workers", [])
                 if len(workers) == 2 and all(w.get("is_healthy", True) for w in workers):
                     break
             except (requests.RequestException, ValueError):

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "tools" / "launch"
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
 # random tiny Qwen3 (no warm start), 1 task x 2 trajectories of <= 2 steps, 1 iteration, no evaluation or checkpoint
+TWO_BY_TWO = ["deploy.nodes=2", "deploy.gpus_per_node=2"]  # the launch shape is the config's (CPU: "GPU" = rank)
 TINY = ["model.init_from=", "rollout.tasks_per_iter=1", "rollout.group_size=2", "env.max_steps=2",
         "rollout.max_response_tokens=8", "eval.interval=0", "eval.num_tasks=0", "train.iterations=1",
         "train.save_interval=0", "train.micro_batch_tokens=512", "train.mini_batch_size=2",
@@ -82,33 +83,67 @@ def test_torchrun_sh_prints_the_command_per_node():
            "OPID_LAUNCH_DRY_RUN": "1"}
     lines = {}
     for node in (0, 1):
-        r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=2", "train.iterations=3"],
-                           env={**env, "NODE_RANK": str(node)}, capture_output=True, text=True, timeout=60)
+        r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=2", "train.iterations=3",
+                            *TWO_BY_TWO], env={**env, "NODE_RANK": str(node), "NODE_ADDR": f"10.9.0.{node + 1}"},
+                           capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         lines[node] = r.stderr.strip().splitlines()[-1]
     for node, line in lines.items():
         assert f"node {node}/2" in line
         assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 2" in line
         assert "--rdzv-backend c10d --rdzv-endpoint head:29400 --rdzv-id job7" in line
-        assert f"--rdzv-conf is_host={int(node == 0)}" in line
-        assert line.endswith(f"-m opid_mega.cli --config {CONFIG} parallel.tp=2 train.iterations=3")
+        assert f"--rdzv-conf is_host={int(node == 0)} --local-addr 10.9.0.{node + 1} " in line  # NODE_ADDR
+        # --resume auto: a torchrun restart or a requeue of this command line continues the run
+        assert line.endswith(f"-m opid_mega.cli --resume auto --config {CONFIG} parallel.tp=2 train.iterations=3 "
+                             "deploy.nodes=2 deploy.gpus_per_node=2")
     # 2 cores here, 2 ranks per node: each rank gets its share (not torchrun's forced 1 on a bigger machine)
     from opid_mega.cli import available_cores
 
     assert f"OMP_NUM_THREADS={max(1, available_cores() // 2)}:" in lines[0]
 
 
+def test_launchers_add_resume_auto_unless_the_arguments_choose(tmp_path):
+    """torchrun.sh and ray_launch.py put --resume auto first, except when the arguments say --resume or --overwrite
+    themselves (an explicit --resume RUN_DIR is kept as given; --resume auto stays "auto", not a path)."""
+    env = {**BASE_ENV, "NNODES": "1", "NPROC_PER_NODE": "1", "RDZV_ENDPOINT": "localhost:29999",
+           "OPID_LAUNCH_DRY_RUN": "1"}
+    run = tmp_path / "run"
+    for args, tail in ((["--config", CONFIG, "--overwrite"], f"-m opid_mega.cli --config {CONFIG} --overwrite"),
+                       (["--config", CONFIG, "--resume", "auto"], f"-m opid_mega.cli --config {CONFIG} --resume auto")):
+        r = subprocess.run([str(LAUNCH / "torchrun.sh"), *args], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.strip().splitlines()[-1].endswith(tail), r.stderr
+    sys.path.insert(0, str(LAUNCH))
+    try:
+        import ray_launch
+    finally:
+        sys.path.remove(str(LAUNCH))
+    assert ray_launch.with_resume_auto(["--config", "c.yaml", "a=1"]) == ["--resume", "auto", "--config", "c.yaml", "a=1"]
+    assert ray_launch.with_resume_auto(["--resume", "/r"]) == ["--resume", "/r"]
+    assert ray_launch.with_resume_auto(["--config", "c", "--overwrite"]) == ["--config", "c", "--overwrite"]
+    assert ray_launch.absolute_paths(["--resume", "auto", "--run-dir", "r"]) == ["--resume", "auto", "--run-dir",
+                                                                                  os.path.abspath("r")]
+    assert ray_launch.absolute_paths([f"--resume={run}"]) == [f"--resume={run}"]
+
+
 def test_torchrun_sh_stops_on_a_bad_layout_or_key_before_torchrun():
     env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": "localhost:1"}
-    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=3"], env=env,
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tp=3", *TWO_BY_TWO], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "opid-train (2 node(s) x 2 rank(s) = world 4): tp=3 does not divide the 4 attention heads of tiny-qwen3"]
-    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tpp=2"], env=env,
+    # the shape is the config's: NNODES / NPROC_PER_NODE that disagree are refused in one line
+    for extra, want in ((["deploy.gpus_per_node=2"], "NNODES=2 disagrees with deploy.nodes = 1"),
+                        (["deploy.nodes=2", "deploy.gpus_per_node=3"],
+                         "NPROC_PER_NODE=2 disagrees with the config's ranks per node")):
+        r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, *extra], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, r.stderr
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "parallel.tpp=2", *TWO_BY_TWO], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "config error: parallel.tpp" in r.stderr and "torch.distributed.run" not in r.stderr
-    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG], env={**env, "NODE_RANK": "2"},
+    r = subprocess.run([str(LAUNCH / "torchrun.sh"), "--config", CONFIG, *TWO_BY_TWO], env={**env, "NODE_RANK": "2"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "NODE_RANK=2" in r.stderr
 
@@ -141,8 +176,8 @@ def fake_slurm(tmp_path: Path, nodes: int) -> dict:
 def test_sbatch_template_generates_one_torchrun_per_node(tmp_path):
     env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "h100:8", "OPID_LAUNCH_DRY_RUN": "1"}
     env["SLURM_JOB_NODELIST"] = "gpu-a,gpu-b"  # a dry run resolves no host
-    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "parallel.tp=2", "parallel.pp=2"],
-                       env=env,
+    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "parallel.tp=2", "parallel.pp=2",
+                        "deploy.nodes=2", "deploy.gpus_per_node=8"], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr + "".join((tmp_path / f"srun.{i}").read_text() for i in range(2))
     assert "rendezvous gpu-a:29400" in r.stderr
@@ -150,7 +185,9 @@ def test_sbatch_template_generates_one_torchrun_per_node(tmp_path):
         line = (tmp_path / f"srun.{node}").read_text().strip().splitlines()[-1]
         assert f"node {node}/2" in line and "--nnodes 2 --nproc-per-node 8" in line
         assert "--rdzv-endpoint gpu-a:29400 --rdzv-id opid-4242" in line and f"is_host={int(node == 0)}" in line
-        assert line.endswith(f"-m opid_mega.cli --config {CONFIG} parallel.tp=2 parallel.pp=2")  # DP4
+        assert line.endswith(f"-m opid_mega.cli --resume auto --config {CONFIG} parallel.tp=2 parallel.pp=2 "
+                             "deploy.nodes=2 deploy.gpus_per_node=8")  # DP4: 8 ranks per node from the config
+    assert "#SBATCH --requeue" in (LAUNCH / "opid.sbatch").read_text()  # a requeued job continues (--resume auto)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,7 +203,7 @@ def test_torchrun_sh_two_nodes_of_two_ranks_on_localhost(tmp_path):
     env = {**BASE_ENV, "NNODES": "2", "NPROC_PER_NODE": "2", "RDZV_ENDPOINT": f"localhost:{free_port()}",
            "RDZV_ID": "test-2x2", "LOGLEVEL": "INFO"}
     cmd = [str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "--run-dir", str(run_dir)] + TINY + \
-          ["parallel.tp=2", "parallel.pp=2"]
+          ["parallel.tp=2", "parallel.pp=2"] + TWO_BY_TWO
     t0 = time.monotonic()
     procs = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
@@ -194,8 +231,8 @@ def test_sbatch_template_runs_two_nodes_on_localhost(tmp_path):
     run_dir = tmp_path / "run"
     env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "1", "RDZV_PORT": str(free_port())}
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "--run-dir", str(run_dir)] + TINY,
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "--run-dir", str(run_dir)] + TINY
+                       + ["deploy.nodes=2"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     print(f"sbatch, 2 nodes x 1 rank: {time.monotonic() - t0:.1f} s")
     logs = [(tmp_path / f"srun.{i}").read_text() for i in range(2)]
     assert r.returncode == 0, r.stderr + "\n".join(x[-3000:] for x in logs)
@@ -213,7 +250,7 @@ def test_ray_launch_two_ranks_local_cluster(tmp_path):
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--nodes", "2", "--trainers-per-node", "1",
                         "--timeout", "400",
-                        "--config", CONFIG, "--run-dir", str(run_dir)] + TINY,
+                        "--config", CONFIG, "--run-dir", str(run_dir)] + TINY + ["deploy.nodes=2"],
                        env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=480)
     print(f"ray, 2 nodes x 1 rank: {time.monotonic() - t0:.1f} s")
     assert r.returncode == 0, r.stderr[-6000:]
@@ -234,7 +271,7 @@ def test_ray_launch_names_the_failing_rank(tmp_path):
     blocker.write_text("not a directory")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--trainers-per-node", "2", "--timeout", "300",
-                        "--config", CONFIG, "--run-dir", str(blocker)] + TINY,
+                        "--config", CONFIG, "--run-dir", str(blocker)] + TINY + ["deploy.gpus_per_node=2"],
                        env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     print(f"ray, failing rank 0: {time.monotonic() - t0:.1f} s")
     assert r.returncode == 1, r.stderr[-4000:]
@@ -244,8 +281,14 @@ def test_ray_launch_names_the_failing_rank(tmp_path):
 
 def test_ray_launch_stops_on_a_bad_layout_before_starting_ray(tmp_path):
     r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--nodes", "2", "--trainers-per-node", "2",
-                        "--config", CONFIG, "parallel.tp=3"], env=BASE_ENV, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=60)
+                        "--config", CONFIG, "parallel.tp=3", *TWO_BY_TWO], env=BASE_ENV, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "opid-train (2 node(s) x 2 rank(s) = world 4): tp=3 does not divide the 4 attention heads of tiny-qwen3"]
+    # nodes and ranks per node are the config's: a different --nodes is refused before Ray starts
+    r = subprocess.run([sys.executable, str(LAUNCH / "ray_launch.py"), "--nodes", "3", "--config", CONFIG,
+                        *TWO_BY_TWO], env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "opid-train: --nodes=3 disagrees with deploy.nodes = 2; leave --nodes unset (the launchers take it from the "
+        "config) or change the config (deploy.nodes=3)"]

@@ -280,7 +280,7 @@ print("OK")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", "token-mean-micro", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
     """Summed over micro-batches and divided by the summed counts (megatron's per-token-loss convention), the
     loss equals opid_mega.algo's aggregation over the whole mini-batch, for every loss_agg."""
@@ -300,7 +300,8 @@ def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
         outs.append(torch.stack([torch.tensor(old) + 0.3 * torch.randn(n, generator=g), torch.rand(n, generator=g)]))
     cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01, loss_agg=agg)
     total, count = 0.0, 0.0
-    for idx in ([0, 1], [2], [3, 4, 5]):  # three micro-batches
+    micro = ([0, 1], [2], [3, 4, 5])  # three micro-batches
+    for idx in micro:
         batch = pack([samples[i] for i in idx])
         loss, cnt, _ = ppo_loss_func(batch, torch.cat([outs[i] for i in idx], dim=1), cfg)
         total, count = total + loss.item(), count + float(cnt)
@@ -310,8 +311,10 @@ def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
     logp, ent = pad([o[0] for o in outs]), pad([o[1] for o in outs])
     old, adv = pad([s.old_logprobs for s in samples]), pad([s.advantages for s in samples])
     ref, mask = pad([s.ref_logprobs for s in samples]), pad([s.loss_mask for s in samples])
-    want, _ = ppo_policy_loss(logp, old, adv, mask, agg=agg)
-    want = want + 0.05 * agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, agg) - 0.01 * agg_loss(ent, mask, agg)
+    mids = torch.tensor([k for k, idx in enumerate(micro) for _ in idx]).unsqueeze(1).expand(-1, width)
+    want, _ = ppo_policy_loss(logp, old, adv, mask, agg=agg, micro_ids=mids)
+    want = want + 0.05 * agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, agg, micro_ids=mids) \
+        - 0.01 * agg_loss(ent, mask, agg, micro_ids=mids)
     assert_close_scaled(total / count, want.item(), floor=1.0)  # fp32 vs float64; a mean of O(1) terms: scale >= 1
 
 
@@ -347,3 +350,77 @@ def test_builder_packed_training_step_equals_the_per_sample_pack(mp1, tmp_path):
     for i, (a, b) in enumerate(zip(grads(), g_ref)):
         assert_close_scaled(a, b, msg=f"grad of parameter {i}")
     assert sum(float(a.abs().sum()) for a in g_ref) > 0
+
+
+def _hf_named_grads(chunks, hf_cfg):
+    """The chunks' accumulated gradients (main_grad) under their HF names: exported like weights, through the same
+    name/shape mapping (the parameters hold the gradients for the export, then get their values back)."""
+    from opid_mega.megatron.weights import hf_state_dict
+
+    params = [p for c in chunks for p in c.parameters()]
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.main_grad)
+        grads = hf_state_dict(chunks, hf_cfg)
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return grads
+
+
+@pytest.mark.parametrize("agg,layout", [("token-mean-micro", "packed"), ("token-mean-micro", "micro_batch_size"),
+                                        ("token-mean", "packed")])
+def test_loss_agg_gradient_through_megatron_equals_the_hand_formula(mp1, tmp_path, agg, layout):
+    """OPID.md "More reference facts", loss aggregation: two micro-batches with 3 and 1 valid response tokens.
+    The reference's aggregation (token-mean-micro) is the mean of the micro-batches' token means,
+    L = 1/2 [(l1 + l2 + l3)/3 + l4/1]; ours (token-mean) is one token mean, L = (l1 + l2 + l3 + l4)/4. The gradient
+    of the real Megatron step (one process, fp32) equals the float64 gradient of that formula through the HF model,
+    with l_t = -A_t exp(log p_t - log p_old,t) (ratios kept inside the clip range, so no clip binds). Layouts:
+    "packed": one packed micro-batch per sequence; "micro_batch_size": both sequences in ONE packed micro-batch,
+    the reference's micro-batches of train.micro_batch_size = 1 step-sample given by the loss weights."""
+    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.train_step import (LossConfig, build_optimizer, loss_micro_batches, train_mini_batch,
+                                               wrap_ddp)
+
+    hf = make_hf_model("qwen2", str(tmp_path), layers=1)
+    hf_cfg, chunks = _megatron(str(tmp_path))
+    model = wrap_ddp(chunks, chunks[0].config)
+    opt = build_optimizer(model, lr=0.0, clip_grad=0.0)  # lr 0, no clipping: main_grad is the raw gradient
+    (ta, ka), (tb, kb) = random_sequences(21, [(7, 4), (5, 4)])  # 3 and 1 response tokens
+    base = [hf_logprobs(hf, ta, ka).double(), hf_logprobs(hf, tb, kb).double()]
+    g = torch.Generator().manual_seed(4)
+    old = [b + 0.05 * torch.randn(len(b), generator=g, dtype=torch.float64) for b in base]
+    adv = [torch.tensor([1.5, -2.0, 0.5], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64)]
+    samples = [Sample(t, k, old_logprobs=o.tolist(), advantages=a.tolist())
+               for (t, k), o, a in zip(((ta, ka), (tb, kb)), old, adv)]
+    if layout == "packed":
+        batches = [pack([samples[0]]), pack([samples[1]])]
+    else:
+        data = TrainData.from_sequences([ta, tb], [3, 1], old_logprobs=torch.cat(old).float().numpy(),
+                                        advantages=torch.cat(adv).float().numpy())
+        batches = loss_micro_batches(data, 64, micro_batch_size=1)
+        assert len(batches) == 1 and sorted(batches[0].scored_per_seq) == [1, 3]
+    train_mini_batch(model, opt, [], 64, LossConfig(kl_coef=0.0, entropy_coef=0.0, loss_agg=agg), batches=batches)
+    got = _hf_named_grads(chunks, hf_cfg)
+
+    # float64 reference: the hand formula through the HF model
+    hf = hf.double()
+    hf.zero_grad()
+    losses = []
+    for (t, k), o, a in zip(((ta, ka), (tb, kb)), old, adv):
+        logp = torch.log_softmax(hf(torch.tensor([t])).logits[0], -1)
+        lp = logp[torch.arange(k - 1, len(t) - 1), torch.tensor(t[k:])]
+        ratio = torch.exp(lp - o)
+        assert bool(((ratio > 0.8) & (ratio < 1.2)).all())  # no clip binds: l_t = -A_t ratio_t
+        losses.append(-a * ratio)
+    l1, l2, l3 = losses[0]
+    (l4,) = losses[1]
+    L = 0.5 * ((l1 + l2 + l3) / 3 + l4 / 1) if agg == "token-mean-micro" else (l1 + l2 + l3 + l4) / 4
+    L.backward()
+    want = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    hf.float()
+    assert set(want) <= set(got) and len(want) > 5
+    for n, w in want.items():
+        assert_close_scaled(got[n].double(), w, rel=1e-5, msg=n)  # fp32 vs float64, relative to the max
+    assert max(float(w.abs().max()) for w in want.values()) > 0

@@ -77,16 +77,77 @@ def test_discounted_returns():
     assert discounted_returns([], 0.95) == []
 
 
-def test_analysis_prompt_contents():
-    p = build_analysis_prompt(WIN, max_step_skills=5, gamma=0.95)
-    assert "Task: put a clean mug in the coffeemachine" in p and "Outcome: success" in p and "WORKFLOW" in p
-    assert "Candidate step indices: [0, 1, 2, 3, 4, 5]" in p
-    assert "[Step 3] observation: You pick up the mug 1. | response: garbled | return-to-go: 9.0250" in p
-    assert "[Step 0]" in p and "return-to-go: 7.7378" in p  # 10 * 0.95^5
-    assert "at most 5 critical steps" in p
-    f = build_analysis_prompt(LOSS, 2)
-    assert "Outcome: failure" in f and "AVOIDANCE RULES" in f and "at most 2 critical steps" in f
-    r = build_reask_prompt(p, "x" * 1000 + "TAIL", "no JSON object", tail_chars=50)
-    assert r.startswith(p) and "no JSON object" in r and r.count("x") < 100 and "TAIL" in r
-    # Plain tuples are accepted as steps.
-    assert "[Step 0] observation: o | response: r" in build_analysis_prompt(TrajectoryView("t", True, [("o", "r", 1)]))
+# Two-step trajectories for the analyzer prompt; returns by hand with gamma = 0.95 (G_t = r_t + 0.95 G_{t+1}):
+#   success, rewards [0, 10]: G_1 = 10, G_0 = 0 + 0.95 x 10 = 9.5
+#   failure, rewards [1, -2]: G_1 = -2, G_0 = 1 + 0.95 x (-2) = -0.9
+WIN2 = TrajectoryView(task="take the coin", won=True, steps=[
+    StepView("You are in a hall. A door leads east.", "<think>east</think><action>go east</action>", 0.0, "go east"),
+    StepView("You see a coin.", "<think>take it</think><action>take coin</action>", 10.0, "take coin"),
+])
+LOSS2 = TrajectoryView(task="open the chest", won=False, steps=[
+    StepView("A locked chest. A key lies here.", "<action>open chest</action>", 1.0, "open chest"),
+    StepView("The chest is locked.", "<action>kick chest</action>", -2.0, "kick chest"),
+])
+WIN2_STEPS = """Step 0
+Observation: You are in a hall. A door leads east.
+Response: <think>east</think><action>go east</action>
+Discounted return: 9.500000
+
+Step 1
+Observation: You see a coin.
+Response: <think>take it</think><action>take coin</action>
+Discounted return: 10.000000"""
+LOSS2_STEPS = """Step 0
+Observation: A locked chest. A key lies here.
+Response: <action>open chest</action>
+Discounted return: -0.900000
+
+Step 1
+Observation: The chest is locked.
+Response: <action>kick chest</action>
+Discounted return: -2.000000"""
+
+
+def _fields(prompt: str) -> list:
+    """The JSON field names the prompt lists (its lines '- "name": ...')."""
+    return [ln.split('"')[1] for ln in prompt.splitlines() if ln.startswith('- "')]
+
+
+def test_analysis_prompt_success_two_steps():
+    """OPID.md "More reference facts: Analyzer prompt content": task, outcome, candidates; each step on several lines
+    (index, observation, response, discounted return with 6 decimals); success asks for a reusable workflow; exactly
+    three JSON fields; 0-based indices; guidance, not a story; at most K = min(K, T) critical steps."""
+    p = build_analysis_prompt(WIN2, max_step_skills=5, gamma=0.95)
+    lines = p.splitlines()
+    assert "Task: take the coin" in lines and "Outcome: success" in lines
+    assert "Candidate step indices: [0, 1]" in lines
+    assert WIN2_STEPS in p
+    assert _fields(p) == ["episode_summary", "episode_skill", "step_skills"]
+    assert "exactly these three fields" in p
+    assert "reusable workflow" in p and "core mistake" not in p
+    assert "0-based" in p and "not as a story" in p
+    assert "at most 2 critical steps" in p  # K = min(5, T = 2)
+    assert p.index("Task:") < p.index("Outcome:") < p.index("Step 0") < p.index("Step 1") < p.index("reusable")
+
+
+def test_analysis_prompt_failure_two_steps():
+    """Failure: the core mistake and the warning signs to avoid, not "what to do instead"."""
+    p = build_analysis_prompt(LOSS2, max_step_skills=1, gamma=0.95)
+    assert "Outcome: failure" in p.splitlines() and "Candidate step indices: [0, 1]" in p
+    assert LOSS2_STEPS in p
+    assert "core mistake" in p and "warning signs" in p and "avoid" in p
+    assert "instead" not in p.lower() and "workflow" not in p
+    assert _fields(p) == ["episode_summary", "episode_skill", "step_skills"]
+    assert "at most 1 critical steps" in p  # K = min(1, 2)
+    # plain tuples are accepted as steps; a 3-step return by hand: [0, 0, 1] -> G_0 = 0.95^2 = 0.9025
+    t = build_analysis_prompt(TrajectoryView("t", True, [("o", "r", 0), ("o", "r", 0), ("o", "r", 1)]))
+    assert "Step 0\nObservation: o\nResponse: r\nDiscounted return: 0.902500" in t
+
+
+def test_reask_prompt_quotes_the_last_2000_characters_by_default():
+    p = build_analysis_prompt(WIN2)
+    bad = "x" * 1000 + "y" * 2000
+    r = build_reask_prompt(p, bad, "no JSON object")
+    assert r.startswith(p) and "Problem: no JSON object" in r
+    assert "reply:\n" + "y" * 2000 + "\n" in r and "x" not in r[len(p):]
+    assert build_reask_prompt(p, "x" * 1000 + "TAIL", "e", tail_chars=4).count("x") == p.count("x")

@@ -1,14 +1,17 @@
 """Checks an opid-train command line before a launcher starts any rank (used by torchrun.sh and ray_launch.py).
 
-    python tools/launch/preflight.py --world N [--nproc-per-node P|auto] -- [opid-train arguments]
+    python tools/launch/preflight.py [--nnodes N] [--nproc-per-node P] -- [opid-train arguments]
 
 Parses the opid-train arguments exactly as opid-train does (``--config``/``--resume``, ``--run-dir``, ``key=value``),
-loads and validates the config and checks its parallel layout (TP/PP/VPP against the model) for the world size
-the launch will have (``opid_mega.megatron.layout.config_layout_error``; opid-train checks the same again in every
-rank, but only after torchrun has started them). On a problem: one line on stderr, exit 2. Otherwise one line on
-stdout, ``NPROC_PER_NODE THREADS_PER_RANK``: the processes per node (``auto``: the visible GPUs, else 1) and the
-torch threads a rank gets (the cores this process may use, divided among the node's ranks — what
-``opid_mega.cli.configure_threads`` gives a torchrun rank).
+loads and validates the config, takes the node count and the ranks per node from its ``deploy`` section
+(``opid_mega.placement.launch_shape``: deploy.nodes and the node's training GPUs; on a CPU config each "GPU" is one
+rank), refuses ``--nnodes`` / ``--nproc-per-node`` values (NNODES / NPROC_PER_NODE of the launchers) that disagree
+with it, checks this node's GPUs against deploy.gpus_per_node (GPU configs: fewer is an error) and the parallel
+layout (TP/PP/VPP against the model) for that world size (``opid_mega.megatron.layout.config_layout_error``;
+opid-train checks the same again in every rank, but only after torchrun has started them). On a problem: one line on
+stderr, exit 2. Otherwise one line on stdout, ``NNODES NPROC_PER_NODE THREADS_PER_RANK``: the torch threads a rank
+gets are the cores this process may use divided among the node's ranks — what ``opid_mega.cli.configure_threads``
+gives a torchrun rank.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def opid_train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opid-train", add_help=False)
     p.add_argument("--config")
     p.add_argument("--run-dir")
-    p.add_argument("--resume", metavar="RUN_DIR")
+    p.add_argument("--resume", metavar="RUN_DIR|auto")
+    p.add_argument("--overwrite", action="store_true")
     p.add_argument("overrides", nargs="*")
     return p
 
@@ -41,7 +45,7 @@ def load_train_config(argv: Sequence[str]):
     if unknown:
         raise ValueError(f"unknown opid-train argument(s): {' '.join(unknown)}")
     try:
-        if args.resume:
+        if args.resume and args.resume != "auto":  # (auto: the --config below; opid-train checks the rest)
             saved = Path(args.resume) / "config.yaml"
             if not saved.exists():
                 raise ValueError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
@@ -73,6 +77,42 @@ def visible_gpus() -> int:
         return 0
 
 
+def launch_shape(cfg, nnodes: str = "", nproc: str = "", names=("NNODES", "NPROC_PER_NODE")) -> tuple[int, int]:
+    """(nodes, ranks per node) from the config's deploy section; `nnodes` / `nproc` (the launcher's values, named
+    `names` in messages; "" or "auto": not given) must agree with it. Raises ValueError(one line)."""
+    from opid_mega.placement import PlacementError
+    from opid_mega.placement import launch_shape as shape
+
+    try:
+        nodes, ranks = shape(cfg)
+    except PlacementError as e:
+        raise ValueError(f"placement: {e}") from None
+    if ranks < 1:
+        raise ValueError("deploy: no training GPU is left on a node (deploy.train_gpus_per_node / "
+                         "deploy.rollout_gpus / deploy.analyzer_gpus)")
+    for given, want, env, key, fix in (
+            (nnodes, nodes, names[0], "deploy.nodes", "deploy.nodes"),
+            (nproc, ranks, names[1], "the config's ranks per node (deploy.train_gpus_per_node, else what the placement "
+                                     "leaves of deploy.gpus_per_node)", "deploy.train_gpus_per_node")):
+        if given not in ("", "auto", None) and int(given) != want:
+            raise ValueError(f"{env}={given} disagrees with {key} = {want}; leave {env} unset (the launchers take "
+                             f"it from the config) or change the config ({fix}={given})")
+    return nodes, ranks
+
+
+def gpu_problem(cfg, visible: int) -> Optional[str]:
+    """A GPU config (parallel.backend not gloo) needs deploy.gpus_per_node GPUs on this node (None: fine)."""
+    if cfg.parallel.backend == "gloo":
+        return None
+    want = cfg.deploy.gpus_per_node
+    if cfg.parallel.backend == "auto" and visible == 0:
+        return None  # auto on a machine without GPUs: a CPU run (gloo)
+    if visible < want:
+        return (f"this node has {visible} visible GPU(s), the config's deploy.gpus_per_node is {want} "
+                f"(parallel.backend={cfg.parallel.backend}; CUDA_VISIBLE_DEVICES, or deploy.gpus_per_node)")
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -81,23 +121,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         own, train_args = argv, []
     p = argparse.ArgumentParser(prog="preflight", description=__doc__.splitlines()[0])
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--nproc-per-node", default="auto")
+    p.add_argument("--nnodes", default="", help="NNODES given to the launcher (must agree with deploy.nodes)")
+    p.add_argument("--nproc-per-node", default="", help="NPROC_PER_NODE given to the launcher (must agree with "
+                                                         "the config's ranks per node)")
     a = p.parse_args(own)
-    nproc = (visible_gpus() or 1) if a.nproc_per_node in ("", "auto") else int(a.nproc_per_node)
-    world = a.nnodes * nproc
+    for name, v in (("NNODES", a.nnodes), ("NPROC_PER_NODE", a.nproc_per_node)):
+        if v not in ("", "auto") and not (v.isdigit() and int(v) >= 1):
+            print(f"preflight: {name}={v}, allowed: an integer >= 1", file=sys.stderr)
+            return 2
     try:
         cfg = load_train_config(train_args)
+        nnodes, nproc = launch_shape(cfg, a.nnodes, a.nproc_per_node)
     except ValueError as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 2
+    msg = gpu_problem(cfg, visible_gpus())
+    if msg:
+        print(f"opid-train: {msg}", file=sys.stderr)
+        return 2
+    world = nnodes * nproc
     msg = layout_error(cfg, world)
     if msg:
-        print(f"opid-train ({a.nnodes} node(s) x {nproc} rank(s) = world {world}): {msg}", file=sys.stderr)
+        print(f"opid-train ({nnodes} node(s) x {nproc} rank(s) = world {world}): {msg}", file=sys.stderr)
         return 2
     from opid_mega.cli import available_cores
 
-    print(nproc, max(1, available_cores() // nproc))
+    print(nnodes, nproc, max(1, available_cores() // nproc))
     return 0
 
 

@@ -6,7 +6,13 @@
 Without ``--address`` it starts a local Ray instance for the run (and stops it at the end); ``--address auto``
 joins the cluster started on this machine with ``ray start``; ``ray://host:10001`` goes through Ray Client. The
 config arguments are opid-train's, verbatim; they are checked (config and parallel layout for the world size
-N x K, ``tools/launch/preflight.py``) before Ray starts.
+N x K, ``tools/launch/preflight.py``) before Ray starts. ``--resume auto`` goes first (unless they say ``--resume`` or
+``--overwrite``), so running the same command again after a failure continues the run from its last complete
+checkpoint (docs/runs.md).
+
+Nodes and ranks per node come from the config's ``deploy`` section (deploy.nodes; the node's training GPUs,
+``opid_mega.placement.launch_shape``), as for torchrun.sh; ``--nodes`` / ``--trainers-per-node`` that disagree are an
+error (one line, exit 2), and so is a Ray GPU node with fewer GPUs than deploy.gpus_per_node.
 
 Placement. Every node of the run gets one placement group with strategy STRICT_PACK (all its bundles on one Ray
 node): K bundles, one per trainer rank, ``{"GPU": 1, "CPU": C}`` on a cluster with GPUs, ``{"CPU": C}`` without.
@@ -99,9 +105,11 @@ def parse(argv: Optional[Sequence[str]]):
                                        "key=value).")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join: auto | HOST:PORT | ray://HOST:PORT (default: start a local one)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (one placement group each) [1]")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes (one placement group each) [deploy.nodes of the config; a different value is an error]")
     p.add_argument("--trainers-per-node", type=int, default=None,
-                   help="trainer ranks per node [1 without GPUs; else the GPUs of the first GPU node]")
+                   help="trainer ranks per node [the config's training GPUs per node (deploy); a different value is "
+                        "an error]")
     p.add_argument("--cpus-per-trainer", type=float, default=None,
                    help="CPUs of a rank's bundle = its torch threads [local CPU run: cores / ranks; else 1]")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the whole run is killed [none]")
@@ -110,16 +118,19 @@ def parse(argv: Optional[Sequence[str]]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, train_argv = parse(argv)
-    if args.nodes < 1 or (args.trainers_per_node is not None and args.trainers_per_node < 1):
+    if (args.nodes is not None and args.nodes < 1) or (args.trainers_per_node is not None and args.trainers_per_node < 1):
         print("ray_launch.py: --nodes and --trainers-per-node must be >= 1", file=sys.stderr)
         return 2
     try:
         cfg = preflight.load_train_config(train_argv)
+        # nodes and ranks per node come from the config's deploy section (the same rule as torchrun.sh)
+        args.nodes, args.trainers_per_node = preflight.launch_shape(
+            cfg, str(args.nodes or ""), str(args.trainers_per_node or ""), names=("--nodes", "--trainers-per-node"))
     except ValueError as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 2
     # run directory and config as absolute paths: the actors may start in another directory
-    train_argv = absolute_paths(train_argv)
+    train_argv = with_resume_auto(absolute_paths(train_argv))
 
     from opid_mega.cli import available_cores
 
@@ -151,7 +162,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         gpu_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU", 0) > 0]
         gpus = bool(gpu_nodes)
-        k = args.trainers_per_node or (int(gpu_nodes[0]["Resources"]["GPU"]) - engine_gpus(cfg) if gpus else 1)
+        k = args.trainers_per_node
+        if gpus and cfg.parallel.backend != "gloo":
+            short = [n["NodeManagerAddress"] for n in gpu_nodes if n["Resources"]["GPU"] < cfg.deploy.gpus_per_node]
+            if short:
+                print(f"opid-train: Ray node(s) {short} have fewer GPUs than the config's deploy.gpus_per_node = "
+                      f"{cfg.deploy.gpus_per_node}", file=sys.stderr)
+                return 2
         world = args.nodes * k
         msg = preflight.layout_error(cfg, world)
         if msg:
@@ -243,18 +260,29 @@ def first_line(e: Exception) -> str:
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
 
 
+def with_resume_auto(argv: Sequence[str]) -> list:
+    """opid-train's arguments with ``--resume auto`` first, unless they say --resume or --overwrite themselves: a re-run
+    of the same launch continues the run (or starts it when it has no checkpoint yet)."""
+    own = any(a in ("--resume", "--overwrite") or a.startswith("--resume=") for a in argv)
+    return list(argv) if own else ["--resume", "auto", *argv]
+
+
 def absolute_paths(argv: Sequence[str]) -> list:
     out, argv = [], list(argv)
+
+    def absolute(flag: str, value: str) -> str:
+        return value if flag == "--resume" and value == "auto" else os.path.abspath(value)
+
     i = 0
     while i < len(argv):
         a = argv[i]
         for flag in ("--config", "--run-dir", "--resume"):
             if a == flag and i + 1 < len(argv):
-                out += [a, os.path.abspath(argv[i + 1])]
+                out += [a, absolute(flag, argv[i + 1])]
                 i += 2
                 break
             if a.startswith(flag + "="):
-                out.append(f"{flag}={os.path.abspath(a.split('=', 1)[1])}")
+                out.append(f"{flag}={absolute(flag, a.split('=', 1)[1])}")
                 i += 1
                 break
         else:

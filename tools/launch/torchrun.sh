@@ -3,17 +3,26 @@
 #
 #   tools/launch/torchrun.sh --config configs/x.yaml [--run-dir D | --resume RUN_DIR] [key=value ...]
 #
-# Everything after the script name goes to opid-train verbatim. Run it once per node (by hand, or `srun` in
+# Everything after the script name goes to opid-train verbatim, after `--resume auto` (added unless the arguments
+# have --resume or --overwrite): a SLURM requeue or a torchrun --max-restarts restart re-runs this same command line
+# and so continues the run from its last complete checkpoint (or starts it when it has none; docs/runs.md). Run it
+# once per node (by hand, or `srun` in
 # tools/launch/opid.sbatch); each node's torchrun agent starts NPROC_PER_NODE ranks of opid-train and the agents meet
 # at RDZV_ENDPOINT.
 #
 # Environment (defaults in brackets):
-#   NNODES          nodes in the job [1]
-#   NPROC_PER_NODE  ranks per node [the node's GPUs; 1 on a CPU machine]
+#   NNODES          nodes in the job [the config's deploy.nodes]
+#   NPROC_PER_NODE  ranks per node [the config's training GPUs per node: deploy.train_gpus_per_node, or what the
+#                   placement leaves for training (opid_mega.placement); on CPU configs a "GPU" is one rank]. Both
+#                   come from the config; a value given here that disagrees is an error (one line, exit 2).
 #   NODE_RANK       this node's index, 0 = the node at RDZV_ENDPOINT [unset]. With c10d rendezvous torchrun itself
 #                   numbers the nodes (sorted by host name), so NODE_RANK only decides which node hosts the
 #                   rendezvous store (--rdzv-conf is_host=1 on node 0, 0 elsewhere); unset, torchrun hosts it on the
 #                   node whose host name/address matches RDZV_ENDPOINT. With RDZV_BACKEND=static it is the node rank.
+#   NODE_ADDR       this node's address on the cluster network [unset: torchrun uses the host name's]: torchrun
+#                   --local-addr, the address the other nodes reach this node's agent at (on the rank-0 node also the
+#                   address its workers advertise as MASTER_ADDR); set it on multi-homed nodes, or where the host name
+#                   resolves to a loopback address (stock Debian/Ubuntu /etc/hosts: 127.0.1.1)
 #   RDZV_ENDPOINT   host:port of the rendezvous store [1 node: localhost and a free port; more: localhost:29400]
 #   RDZV_ID         the job's rendezvous id, the same on every node [$SLURM_JOB_ID, else opid-<user>]
 #   RDZV_BACKEND    c10d | static [c10d]
@@ -22,30 +31,32 @@
 #   OMP_NUM_THREADS torch threads per rank [the cores this node may use / NPROC_PER_NODE, as opid-train's own]
 #   OPID_LAUNCH_DRY_RUN=1  check and print the torchrun command, do not run it
 #
-# Before anything starts, tools/launch/preflight.py loads the config with the same arguments and checks the parallel
-# layout for the world size NNODES x NPROC_PER_NODE: a bad key or layout ends here with one line and exit code 2
-# (the same check opid-train makes in every rank, without waiting for the other nodes).
-# Verified on one machine as 2 simulated nodes x 2 ranks (tests/launch/test_launch.py).
+# Before anything starts, tools/launch/preflight.py loads the config with the same arguments, takes the node count
+# and ranks per node from its deploy section, checks this node's GPUs against deploy.gpus_per_node (GPU configs)
+# and the parallel layout for the world size NNODES x NPROC_PER_NODE: a bad key, layout or count ends here with one
+# line and exit code 2 (the same checks opid-train makes in every rank, without waiting for the other nodes).
+# Verified on one machine as 2 simulated nodes x 2 ranks (tests/launch/test_launch.py) and on a simulated cluster
+# of 2 network namespaces, each its own address and host name (tools/cluster_sim.py, tests/launch/test_cluster.py).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-NNODES="${NNODES:-1}"
 RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 
 case "$RDZV_BACKEND" in c10d|static) ;; *) echo "torchrun.sh: RDZV_BACKEND=$RDZV_BACKEND, allowed: c10d, static" >&2; exit 2 ;; esac
-if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then echo "torchrun.sh: NNODES=$NNODES, allowed: an integer >= 1" >&2; exit 2; fi
+if [[ -n "${NNODES:-}" && ! "$NNODES" =~ ^[1-9][0-9]*$ ]]; then echo "torchrun.sh: NNODES=$NNODES, allowed: an integer >= 1" >&2; exit 2; fi
 if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
   echo "torchrun.sh: NPROC_PER_NODE=$NPROC_PER_NODE, allowed: an integer >= 1" >&2; exit 2
 fi
+
+# node count and ranks per node from the config, checked against NNODES / NPROC_PER_NODE when given, this node's
+# GPUs and the layout for that world size; prints "NNODES NPROC_PER_NODE THREADS_PER_RANK"
+read -r NNODES NPROC THREADS < <("$PYTHON" "$HERE/preflight.py" --nnodes "${NNODES:-}" --nproc-per-node "${NPROC_PER_NODE:-}" -- "$@" || echo FAIL)
+if [[ "$NNODES" == FAIL || -z "$NPROC" ]]; then exit 2; fi  # preflight printed why
 if [[ -n "${NODE_RANK:-}" ]] && ! [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]]; then
   echo "torchrun.sh: NODE_RANK=$NODE_RANK, allowed: 0 .. NNODES-1 = $((NNODES - 1))" >&2; exit 2
 fi
-
-# config + layout check for this world size; prints "NPROC_PER_NODE THREADS_PER_RANK"
-read -r NPROC THREADS < <("$PYTHON" "$HERE/preflight.py" --nnodes "$NNODES" --nproc-per-node "${NPROC_PER_NODE:-auto}" -- "$@" || echo FAIL)
-if [[ "$NPROC" == FAIL || -z "$NPROC" ]]; then exit 2; fi  # preflight printed why
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"  # else torchrun forces 1 thread on every rank
 
 if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
@@ -67,7 +78,10 @@ else
     cmd+=(--rdzv-conf "is_host=$([[ "$NODE_RANK" == 0 ]] && echo 1 || echo 0)")
   fi
 fi
-cmd+=(-m opid_mega.cli "$@")  # opid_mega.cli is opid-train's entry point (train_main)
+if [[ -n "${NODE_ADDR:-}" ]]; then cmd+=(--local-addr "$NODE_ADDR"); fi  # this node's cluster address
+resume=(--resume auto)  # a re-run of this command line continues the run (see the top)
+for a in "$@"; do case "$a" in --resume|--resume=*|--overwrite) resume=() ;; esac; done
+cmd+=(-m opid_mega.cli ${resume[@]+"${resume[@]}"} "$@")  # opid_mega.cli is opid-train's entry point (train_main)
 
 # the command as shown: secret override values (analyzer.api_key=...) and --api-key values as *** (opid_mega.redact)
 shown="$("$PYTHON" -c 'import shlex, sys; from opid_mega.redact import redact_args; print(shlex.join(redact_args(sys.argv[1:])))' "${cmd[@]}" 2>/dev/null)" ||

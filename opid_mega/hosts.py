@@ -1,0 +1,183 @@
+"""Which address this node's servers bind and advertise, whether an address is this machine's, and the run's API key
+(DESIGN.md "Multi-node rules"; standard library only, so every layer may use it).
+
+    host = bind_host(cfg.deploy.bind_host)          # "auto" | an address | an interface name -> one address
+    url = http_url(host, port)                       # http://10.0.0.5:30000, http://[fd00::5]:30000
+    is_local_url("http://node1:30000")               # is that server on this machine? (exact, never a substring)
+    key = run_api_key()                              # the key of a run's servers and router: random per run
+
+deploy.bind_host:
+* ``auto`` (the default): the address of the interface that routes to the rendezvous host, MASTER_ADDR (torchrun sets
+  it on every rank to global rank 0's agent address; a single process has none, or 127.0.0.1). It is found by
+  connecting a UDP socket there, which sends nothing: the kernel picks the source address it would use. A rendezvous
+  host on this machine's loopback (a one-node run: localhost, 127.x, ::1; also a host name that a stock Debian
+  /etc/hosts maps to 127.0.1.1) gives 127.0.0.1: the servers of that node stay off the network, and only global rank
+  0, on that same node, talks to them.
+* an IPv4/IPv6 address of this machine: exactly that one (a wildcard such as 0.0.0.0 is refused: a server must
+  advertise an address others can reach, and would otherwise listen on every network).
+* an interface name (``eth0``, ``ib0``): that interface's IPv4 address (the same config on every node of a cluster).
+
+Local or remote is decided on the parsed host of a URL: a loopback name or address, or an address that this machine
+can bind (``socket.bind((addr, 0))`` succeeds only for its own addresses). `//node1` is never `//node12`.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+from typing import Optional
+from urllib.parse import urlsplit
+
+LOOPBACK = "127.0.0.1"
+API_KEY_ENV = "OPID_SGLANG_API_KEY"  # how a launched server / the router receives its key (opid_mega.keyed)
+
+
+class BindHostError(ValueError):
+    """deploy.bind_host cannot give an address on this node (the message is one line naming the key)."""
+
+
+def _ip(host: str) -> Optional[ipaddress._BaseAddress]:
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def _resolve(host: str) -> list[str]:
+    """The addresses `host` resolves to here (empty when it does not resolve)."""
+    if _ip(host) is not None:
+        return [host.strip("[]")]
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError, OSError):
+        return []
+    out = []
+    for info in infos:
+        addr = info[4][0]
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+def _own_address(addr: str) -> bool:
+    """True when `addr` is an address of this machine (only those can be bound)."""
+    ip = _ip(addr)
+    if ip is None:
+        return False
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+        return True
+    except OSError:
+        return False
+
+
+def url_host(url: str) -> str:
+    """The host part of a URL ("http://h:1/x" -> "h"; also "h:1"), lower-cased, without IPv6 brackets."""
+    text = url if "//" in url else "//" + url
+    return (urlsplit(text).hostname or "").lower()
+
+
+@functools.lru_cache(maxsize=256)
+def is_local_host(host: str) -> bool:
+    """True when `host` (a name or an address) is this machine: a loopback name/address, or one this machine has."""
+    host = host.strip().strip("[]").lower()
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    ip = _ip(host)
+    if ip is not None and ip.is_unspecified:  # 0.0.0.0 / :: in a URL: a server listening here on every address
+        return True
+    addrs = _resolve(host)
+    return bool(addrs) and any(_own_address(a) for a in addrs)
+
+
+def is_local_url(url: str) -> bool:
+    """True when the server at `url` runs on this machine (exact comparison of its parsed host)."""
+    return is_local_host(url_host(url))
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def interface_address(name: str) -> Optional[str]:
+    """The IPv4 address of network interface `name` (None when it has none or does not exist)."""
+    SIOCGIFADDR = 0x8915
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+
+
+def route_source(target: str) -> Optional[str]:
+    """The source address this machine uses to reach `target` (a name or an address); None when it cannot."""
+    for addr in _resolve(target):
+        ip = _ip(addr)
+        family = socket.AF_INET6 if ip is not None and ip.version == 6 else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((addr, 9))  # UDP connect: a route lookup, nothing is sent
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
+def rendezvous_host() -> str:
+    """Where this run's ranks meet: MASTER_ADDR (set by torchrun and the launchers), else this machine."""
+    return os.environ.get("MASTER_ADDR", "").strip() or LOOPBACK
+
+
+def bind_host(spec: str = "auto", target: Optional[str] = None) -> str:
+    """The address this node's servers bind and advertise, by deploy.bind_host (`spec`, see the module docstring).
+    `target`: the host the address must reach (auto; default: the rendezvous host). Raises BindHostError."""
+    spec = (spec or "auto").strip()
+    if spec == "auto":
+        target = (target or rendezvous_host()).strip().strip("[]")
+        addrs = _resolve(target)
+        if not addrs:
+            raise BindHostError(f"deploy.bind_host=auto: the rendezvous host {target!r} (MASTER_ADDR) does not "
+                                "resolve on this node; set deploy.bind_host to this node's cluster address or interface")
+        if any(_ip(a).is_loopback for a in addrs if _ip(a) is not None):
+            return LOOPBACK  # a one-node run (or rank 0's own node under a stock /etc/hosts): stay off the network
+        src = route_source(target)
+        if src is None:
+            raise BindHostError(f"deploy.bind_host=auto: no route from this node to the rendezvous host {target!r}; "
+                                "set deploy.bind_host to this node's cluster address or interface")
+        return src
+    ip = _ip(spec)
+    if ip is not None:
+        if ip.is_unspecified:
+            raise BindHostError(f"deploy.bind_host={spec}: a wildcard address would put the servers on every network "
+                                "and is no address to advertise; give this node's cluster address, an interface "
+                                "name, or auto")
+        if not _own_address(spec):
+            raise BindHostError(f"deploy.bind_host={spec} is not an address of this node ({socket.gethostname()})")
+        return str(ip)
+    addr = interface_address(spec)
+    if addr is None:
+        raise BindHostError(f"deploy.bind_host={spec}: not an address and not a network interface with an IPv4 "
+                            "address on this node (allowed: auto, an address, an interface name)")
+    return addr
+
+
+def new_api_key() -> str:
+    """A fresh random API key (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def run_api_key() -> str:
+    """The API key of a run's launched servers and router: $OPID_SGLANG_API_KEY when the operator set one (to reach
+    the servers by hand; it is then in the trainer's environment, their choice), else a fresh random one."""
+    return os.environ.get(API_KEY_ENV, "").strip() or new_api_key()
