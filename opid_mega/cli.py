@@ -6,7 +6,7 @@
     opid-train --config X --run-dir DIR --overwrite [...]   # move DIR's run aside (DIR.old-<time>), start fresh
     opid-train --resume RUN_DIR [key.sub=value ...]        # continues from RUN_DIR's last complete checkpoint
     opid-sft   --config configs/tiny_cpu.yaml [--out DIR] [--epochs N] [--lr X]   # defaults: the `sft` section
-    opid-eval  --config configs/tiny_cpu.yaml [--model HF_DIR | --checkpoint RUN_DIR] [--with-skills] [key=value ...]
+    opid-eval  --config configs/tiny_cpu.yaml [--model HF_DIR | --checkpoint RUN_DIR] [--group-size N] [key=value ...]
 """
 from __future__ import annotations
 
