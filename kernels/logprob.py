@@ -5,7 +5,7 @@
 
 without materialising the `[N, V]` logits. T is the sampling temperature (`temperature`, default 1: the division
 is skipped, so T = 1 is bit-identical to the plain softmax): log-probs are those of the distribution the sampler
-drew from (OPID.md "Reference rules in detail": logits / T), and the backward carries the 1/T factor.
+drew from (docs/algorithm.md "Reference rules in detail": logits / T), and the backward carries the 1/T factor.
 The weight on this rank is a vocabulary shard
 `W_full[vocab_start : vocab_start + V_local]`; `targets` holds GLOBAL vocabulary ids.
 

@@ -1,4 +1,4 @@
-"""The OPID training loop (OPID.md "One training iteration"), top to bottom like slime's train.py.
+"""The OPID training loop (docs/algorithm.md "One training iteration"), top to bottom like slime's train.py.
 
     set up: config -> run dir (config.yaml) -> Megatron parallel state -> policy (HF dir -> Megatron, optimizer,
             frozen reference copy) -> rollout engine -> env -> analyzer -> scorer -> metrics / audit
@@ -311,7 +311,7 @@ def _flat(tensors: list, lens: np.ndarray, what: str) -> np.ndarray:
 
 
 def compute_advantages(cfg: Config, scored: list, rewards, invalid, groups, backend: Optional[str] = None):
-    """:class:`Advantages` from the scorer's results (OPID.md §2, §6, §7), by the batch builder's
+    """:class:`Advantages` from the scorer's results (docs/algorithm.md §2, §6, §7), by the batch builder's
     `outcome_advantage` / `token_advantages` (`opid_mega._C` when built; `backend` forces one). `grpo` /
     `skill_grpo` take no Δ; every other mode adds λ_k Δ_k with the mode's λs, Δ_k = skill − original log-prob on
     the step-samples routed to skill type k (algo.delta=sampled, the paper), or that plus KL(p_o‖p_s) (full_kl) or
@@ -787,7 +787,7 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
     def evaluate(self, it: int) -> dict:
-        """Held-out tasks, one episode each, WITHOUT skills (OPID.md §9). With eval.with_skills (always for
+        """Held-out tasks, one episode each, WITHOUT skills (docs/algorithm.md §9). With eval.with_skills (always for
         skill_grpo) each eval task is then played once more WITH an episode skill of its own: eval tasks are never
         analysed during training, so the analyzer analyses the task's no-skill eval trajectory just played and
         that analysis' episode skill is put into the second episode's prompts (a task whose analysis failed, or

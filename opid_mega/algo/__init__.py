@@ -1,6 +1,6 @@
 """The OPID algorithm as pure tensor functions: no Megatron, no trainer. Usable from any training script.
 
-See ../shared/OPID.md for the formulas; each function's docstring names the section it implements.
+See docs/algorithm.md for the formulas; each function's docstring names the section it implements.
 """
 from opid_mega.algo.advantage import (
     combine_advantages,

@@ -1,4 +1,4 @@
-"""Outcome (GRPO) advantage, the skill log-ratio Δ, and their combination (OPID.md §2, §6, §7)."""
+"""Outcome (GRPO) advantage, the skill log-ratio Δ, and their combination (docs/algorithm.md §2, §6, §7)."""
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -6,12 +6,13 @@ from typing import Mapping, Optional
 import torch
 
 OUTCOME_MODES = ("mean_std_norm", "mean_norm")
-# ε of the Δ normalisation (Δ − μ)/(σ + ε) (OPID.md "More reference facts"; the outcome advantage's 1e-6)
+# ε of the Δ normalisation (Δ − μ)/(σ + ε) (docs/algorithm.md "More reference facts"; the outcome advantage's
+# 1e-6)
 DELTA_NORM_EPS = 1e-6
 
 
 def step_scores(episode_rewards: torch.Tensor, invalid: torch.Tensor, penalty: float) -> torch.Tensor:
-    """S_i = R(trajectory of i) - penalty * 1[step i invalid], one value per step-sample (OPID.md §2).
+    """S_i = R(trajectory of i) - penalty * 1[step i invalid], one value per step-sample (docs/algorithm.md §2).
 
     `episode_rewards` holds each step-sample's trajectory reward (broadcast over the trajectory's steps).
     """
@@ -33,7 +34,7 @@ def outcome_advantage(
     mode: str = "mean_std_norm",
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO outcome advantage per step-sample (OPID.md §2).
+    """GRPO outcome advantage per step-sample (docs/algorithm.md §2).
 
     Group statistics are taken over ALL step-samples that share a group id (a task's G trajectories together),
     not one value per trajectory. `mean_norm`: A = S - μ; `mean_std_norm`: A = (S - μ) / (σ + eps), σ unbiased.
@@ -74,11 +75,12 @@ def skill_delta(
     clip: Optional[float] = None,
     eps: float = DELTA_NORM_EPS,
 ) -> torch.Tensor:
-    """Δ_t = log π_old(y_t | h ⊕ s) - log π_old(y_t | h), zero where `mask` is 0 (OPID.md §6). No gradient.
+    """Δ_t = log π_old(y_t | h ⊕ s) - log π_old(y_t | h), zero where `mask` is 0 (docs/algorithm.md §6). No
+    gradient.
 
     `normalize`: (Δ − μ)/(σ + eps) over the valid tokens, μ and σ (population) of those tokens, as the reference
-    (OPID.md "More reference facts"). `clip`: then clamp to [-clip, clip]. Both off by default, as in the paper's
-    runs.
+    (docs/algorithm.md "More reference facts"). `clip`: then clamp to [-clip, clip]. Both off by default, as in the
+    paper's runs.
     """
     if skill_logp.shape != orig_logp.shape or mask.shape != orig_logp.shape:
         raise ValueError(f"skill_delta: skill_logp {tuple(skill_logp.shape)}, orig_logp {tuple(orig_logp.shape)} and "
@@ -105,7 +107,7 @@ def combine_advantages(
     lambdas_by_type: Mapping[str, float],
     token_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """A = A_out + Σ_k λ_k Δ_k per response token, zero outside `token_mask` (OPID.md §7).
+    """A = A_out + Σ_k λ_k Δ_k per response token, zero outside `token_mask` (docs/algorithm.md §7).
 
     `outcome_adv` is per step-sample `[B]` (broadcast over tokens) or already per token (same shape as
     `token_mask`). Each Δ_k is zero on tokens its routing does not reach (see `skill_delta`), so under critical-first

@@ -1,4 +1,4 @@
-"""PPO dual-clip policy loss, KL estimators and entropy (OPID.md §8), with verl's semantics."""
+"""PPO dual-clip policy loss, KL estimators and entropy (docs/algorithm.md §8), with verl's semantics."""
 from __future__ import annotations
 
 from typing import Optional
@@ -105,7 +105,7 @@ def ppo_policy_loss(
     micro_ids: Optional[torch.Tensor] = None,
     log_ratio_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with dual clip (OPID.md §8; verl's `compute_policy_loss`).
+    """PPO clipped surrogate with dual clip (docs/algorithm.md §8; verl's `compute_policy_loss`).
 
     ratio = exp(logp - old_logp), the log-ratio not clamped, as in the reference (`log_ratio_clamp` c: clamped to
     ±c first, as later verl versions do with c = 20); per token

@@ -1,4 +1,4 @@
-"""Critical-first skill routing, gated by λ (OPID.md §4 and "Routing is gated by λ")."""
+"""Critical-first skill routing, gated by λ (docs/algorithm.md §4 and "Routing is gated by λ")."""
 from __future__ import annotations
 
 import math

@@ -146,7 +146,7 @@ def build_batches(tokens, ctx_offsets, resp_lens, sample_offsets, budget: int, n
 
 # ----------------------------------------------------------------------------------------------- advantages
 def outcome_advantage(scores, group_ids, mode: str = "mean_std_norm", eps: float = 1e-6) -> np.ndarray:
-    """GRPO outcome advantage per step-sample over ragged groups (OPID.md §2), float64.
+    """GRPO outcome advantage per step-sample over ragged groups (docs/algorithm.md §2), float64.
 
     Statistics over all samples sharing a group id: `mean_norm` S - μ, `mean_std_norm` (S - μ) / (σ + eps),
     σ unbiased; a single-sample group gets μ = 0, σ = 1. Sums are exact (math.fsum) so results are reproducible.
@@ -177,7 +177,8 @@ def outcome_advantage(scores, group_ids, mode: str = "mean_std_norm", eps: float
 def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks: Sequence[np.ndarray],
                      lambdas: Sequence[float], normalize: bool = False, clip: Optional[float] = None,
                      eps: float = DELTA_NORM_EPS) -> np.ndarray:
-    """Per response token A = A_out + Σ_k λ_k Δ'_k (OPID.md §6-7), float32 flat over responses (sample order).
+    """Per response token A = A_out + Σ_k λ_k Δ'_k (docs/algorithm.md §6-7), float32 flat over responses (sample
+    order).
 
     `deltas[k]` float32/float64 [sum resp_lens]: raw Δ of skill type k (skill log-prob - original log-prob);
     `masks[k]` bool/uint8 [S]: samples routed to type k (Δ'_k = 0 elsewhere). `normalize`: (Δ_k − μ)/(σ + eps) over

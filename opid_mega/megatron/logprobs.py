@@ -6,7 +6,8 @@ and the rows whose next-token log-prob is wanted (``score_rows``, ``score_target
 those rows into log-probs with ``opid_mega.kernels.fused_logprobs`` over its vocabulary shard (max / sum-exp /
 target-logit all-reduced over TP); the full-vocabulary logits never exist. ``temperature`` (default 1.0) gives the
 log-probs (and entropy) of softmax(logits / T): pass the rollout's sampling temperature so old, new, reference and
-skill-context log-probs are those of the distribution the sampler drew from (OPID.md "Reference rules in detail").
+skill-context log-probs are those of the distribution the sampler drew from (docs/algorithm.md "Reference rules in
+detail").
 
 :func:`forward_step` and :func:`logprob_loss_func` are plain megatron-core schedule callbacks: hand them to
 ``get_forward_backward_func()`` with ``forward_only=True``.

@@ -1,12 +1,12 @@
 """The `Scorer` interface: per step-sample, the old policy's log-probs of the response under the original context
-(PPO's old log-probs) and under each skill-augmented context (OPID.md §6).
+(PPO's old log-probs) and under each skill-augmented context (docs/algorithm.md §6).
 
 `NaiveScorer` runs every context as its own sequence (the reference code's way, and the benchmark baseline);
 `opid_mega.scoring.fork_scorer.ForkScorer` scores all contexts of a step-sample in one forward over the fork layout.
 Both take the model through one function, `logprob_fn`, so the scorer knows no Megatron.
 
 Temperature: every context is scored at the rollout's sampling temperature T (log-probs of softmax(logits / T), as
-the sampler saw them; OPID.md "Reference rules in detail"), so the original context gives exactly PPO's old
+the sampler saw them; docs/algorithm.md "Reference rules in detail"), so the original context gives exactly PPO's old
 log-probs and Δ compares two distributions at the same T. A scorer is built with `temperature=T` and hands it to its
 model function as the keyword `temperature=` on every call (1.0: the plain softmax).
 """

@@ -9,7 +9,8 @@ from opid_mega.skills.types import Analysis, TrajectoryView
 
 
 class Analyzer(abc.ABC):
-    """`analyze` blocks; `submit` runs it in the background so the trainer can score meanwhile (OPID.md §3)."""
+    """`analyze` blocks; `submit` runs it in the background so the trainer can score meanwhile
+    (docs/algorithm.md §3)."""
 
     _pool: Optional[ThreadPoolExecutor] = None
 

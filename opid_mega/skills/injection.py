@@ -1,5 +1,5 @@
-r"""Skill sections and where they go in a step-sample prompt (OPID.md §5, "Reference rules in detail" and "More
-reference facts": task-line choice).
+r"""Skill sections and where they go in a step-sample prompt (docs/algorithm.md §5, "Reference rules in detail" and
+"More reference facts": task-line choice).
 
 A prompt has two insertion points, found independently (as the reference does):
   * the episode point: right after the task line, chosen by PHRASE PRIORITY: the first line matching

@@ -9,8 +9,8 @@ through the `openai` client.
     analyses = job.result()                          # list[Analysis | None], one per trajectory, in order
     analyzer.stats                                   # {"requests", "retries", "reasks", "failures", "cache_hits", ...}
 
-Per trajectory (OPID.md §3): one prompt (`build_analysis_prompt`), one request, parse (`parse_analysis` with the
-`parser` rules); an unusable reply gets ONE re-ask (`build_reask_prompt`: the error and the last 2000 characters of
+Per trajectory (docs/algorithm.md §3): one prompt (`build_analysis_prompt`), one request, parse (`parse_analysis`
+with the `parser` rules); an unusable reply gets ONE re-ask (`build_reask_prompt`: the error and the last 2000 characters of
 the bad reply); a trajectory whose analysis finally fails gets None (no skill signal; its outcome advantage stays) —
 counted in `stats["failures"]`, logged, never raised.
 
@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 RESPONSE_FORMATS = ("none", "json_object", "json_schema")
 
-# The reply shape (OPID.md §3) for servers that take a JSON schema (SGLang/xgrammar, vLLM, OpenAI).
+# The reply shape (docs/algorithm.md §3) for servers that take a JSON schema (SGLang/xgrammar, vLLM, OpenAI).
 ANALYSIS_JSON_SCHEMA: dict = {
     "type": "object",
     "properties": {

@@ -1,5 +1,5 @@
-"""Lenient parsing of analyzer replies (OPID.md §3, "Reference rules in detail: Parsing" and "More reference facts:
-Parser edge cases").
+"""Lenient parsing of analyzer replies (docs/algorithm.md §3, "Reference rules in detail: Parsing" and "More reference
+facts: Parser edge cases").
 
 `parse_analysis(text, candidates, K, rules="reference")` follows the reference's rules (analyzer.parser=reference):
   * candidates: each fenced block (```json ... ``` or any other tag, or none), then the whole reply;

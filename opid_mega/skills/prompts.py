@@ -1,4 +1,5 @@
-"""Analyzer prompts (OPID.md §3 and "More reference facts: Analyzer prompt content"), in this project's words.
+"""Analyzer prompts (docs/algorithm.md §3 and "More reference facts: Analyzer prompt content"), in this project's
+words.
 
 One prompt per finished trajectory: the task, the outcome label, the candidate step indices (every step), then one
 block of lines per step (its 0-based index, the raw observation, the full policy response, the discounted return

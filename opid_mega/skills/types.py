@@ -11,7 +11,7 @@ class AnalysisParseError(ValueError):
 
 @dataclass
 class Analysis:
-    """One trajectory's hindsight analysis (OPID.md §3)."""
+    """One trajectory's hindsight analysis (docs/algorithm.md §3)."""
 
     episode_summary: str
     episode_skill: str
