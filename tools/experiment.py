@@ -52,8 +52,9 @@ ARMS: dict[str, tuple[str, ...]] = {
     # λ = 0.001 (a question about the scale of λ, not a value tuned on success; one value, never varied)
     "opid_lambda0.1": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1",
                        "algo.lambda_step=0.1"),
-    # issue 15: the full-distribution signal (README "Beyond the sampled token") at the λ of opid_lambda0.1 (at the
-    # reference's 0.001 the skill term is ~0.01% of the advantage, so any signal would be GRPO plus noise)
+    # issue 15: the full-distribution signal (docs/algorithm.md "Beyond the sampled token") at the λ of
+    # opid_lambda0.1 (at the reference's 0.001 the skill term is ~0.01% of the advantage, so any signal would be GRPO
+    # plus noise)
     "full_kl": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1", "algo.lambda_step=0.1",
                 "algo.delta=full_kl"),
     "topk_kl": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1", "algo.lambda_step=0.1",
@@ -75,9 +76,9 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # ~60 min on 2 idle cores (README "Experiment: GRPO vs OPID on CPU" has the measured budget)
+    # ~60 min on 2 idle cores (docs/experiments.md has the measured budget)
     "cpu": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid", "opid_late", "opid_lambda0.1")),
-    # the full-distribution arms next to GRPO and OPID at the same λ (README "Beyond the sampled token")
+    # the full-distribution arms next to GRPO and OPID at the same λ (docs/algorithm.md "Beyond the sampled token")
     "divergence": Preset("configs/experiment_cpu.yaml", (1, 2, 3), ("grpo", "opid_lambda0.1", "full_kl", "topk_kl",
                                                                     "distill")),
     # the whole pipeline on a tiny budget (tests): 4 train / 4 held-out games, 2 iterations

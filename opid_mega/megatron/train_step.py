@@ -9,7 +9,7 @@ reference's): weight 1 / (the micro-batch's valid tokens), count 1 per micro-bat
 that of the mean over the mini-batch's micro-batches (all ranks) of each micro-batch's token mean.
 
 Public integration surface for your own Megatron script: :func:`opid_mega.megatron.logprobs.forward_step`
-with ``loss_func=partial(ppo_loss_func, cfg=LossConfig(...))`` -- see the module README snippet in the report.
+with ``loss_func=partial(ppo_loss_func, cfg=LossConfig(...))`` -- see docs/megatron.md.
 """
 from __future__ import annotations
 
