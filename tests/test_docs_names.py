@@ -4,7 +4,8 @@ Parsed out of the markdown text (no command is run, so this is fast):
   (a) `opid-<name>` words: console scripts in setup.py's entry_points;
   (b) `--flags` that follow an `opid-<name>` command in a code block or an inline code span: defined (as a string
       literal) in the source of the module the entry point names;
-  (c) `section.key[.sub...]` where `section` is a field of `opid_mega.config.Config`: resolves through the
+  (c) `python tools/x.py --flag` / `python examples/x.py`: the script exists and defines the flag;
+  (d) `section.key[.sub...]` where `section` is a field of `opid_mega.config.Config`: resolves through the
       dataclasses (a dict-typed field accepts any sub-key), `key=value` overrides included.
 One failure lists every bad name with file:line.
 """
@@ -70,8 +71,19 @@ def _command_flags(code):
     # parts: [before, cmd1, args1, cmd2, args2, ...]
     for i in range(1, len(parts) - 1, 2):
         cmd, args = parts[i], parts[i + 1]
-        args = re.split(r"&&|;|(?<!\\)\|\s|#", args)[0]  # up to the next shell command or comment
+        args = re.split(r"&&|;|(?<!\\)\|\s|#|\s--\s", args)[0]  # up to the next shell command or comment
         out += [(cmd, f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args)]
+    return out
+
+
+def _script_flags(code):
+    """[(script path, flag)] for `python tools/x.py --flag ...` / `python examples/x.py ...` in one line of code."""
+    out = []
+    parts = re.split(r"(?<![\w/.-])python3?\s+((?:tools|examples)/[\w/]+\.py)\b", code)
+    for i in range(1, len(parts) - 1, 2):
+        script, args = parts[i], parts[i + 1]
+        args = re.split(r"&&|;|(?<!\\)\|\s|#|\s--\s", args)[0]
+        out += [(script, f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args)] or [(script, None)]
     return out
 
 
@@ -150,6 +162,12 @@ def test_docs_name_only_what_exists():
             for cmd, flag in _command_flags(code):
                 if cmd in sources and f'"{flag}"' not in sources[cmd] and f"'{flag}'" not in sources[cmd]:
                     bad.append(f"{rel}:{no}: {cmd} has no flag {flag} ({os.path.relpath(commands[cmd], ROOT)})")
+            for script, flag in _script_flags(code):
+                full = os.path.join(ROOT, script)
+                if not os.path.exists(full):
+                    bad.append(f"{rel}:{no}: {script} does not exist")
+                elif flag and f'"{flag}"' not in open(full).read() and f"'{flag}'" not in open(full).read():
+                    bad.append(f"{rel}:{no}: {script} has no flag {flag}")
     assert not bad, "names in the docs that the code does not have:\n" + "\n".join(sorted(set(bad)))
 
 
@@ -159,6 +177,11 @@ def test_the_parser_finds_what_it_should():
         ("opid-train", "--config"), ("opid-train", "--resume"), ("opid-report", "--out")]
     assert _command_flags("opid-train --resume auto \\| --overwrite") == [
         ("opid-train", "--resume"), ("opid-train", "--overwrite")]
+    assert _script_flags("python tools/bench_logprob.py --preset ci --json out.json  # x --no") == [
+        ("tools/bench_logprob.py", "--preset"), ("tools/bench_logprob.py", "--json")]
+    assert _script_flags("sudo python tools/cluster_sim.py --nodes 2 -- env X=1 run.sh --config F") == [
+        ("tools/cluster_sim.py", "--nodes")]
+    assert _script_flags("python examples/megatron_lm_opid.py") == [("examples/megatron_lm_opid.py", None)]
     sections = set(_hints(config_mod.Config))
     keys = [w for w, _ in _config_keys("`train.loss_agg` and algo.loss_agg=token-mean, opid_mega.algo.delta_baseline,"
                                        " model.safetensors, env.options.process=false", sections)]
