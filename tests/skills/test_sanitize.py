@@ -160,7 +160,7 @@ def test_poisoned_replies_cost_only_their_own_analysis(tmp_path):
     trajs = [_named_traj(n, won=i % 2 == 0) for i, n in enumerate(names)]
     audit = AuditLog(audit_path)
     with serve(_script) as srv, LLMAnalyzer(srv.url, model="m", cache_path=cache, audit=audit, backoff_s=0.01,
-                                            timeout_s=10, seed=0) as an:
+                                            timeout_s=10) as an:
         out = an.analyze(trajs, iteration=1)
     audit.close()
     by = dict(zip(names, out))
@@ -196,7 +196,7 @@ def test_poisoned_replies_cost_only_their_own_analysis(tmp_path):
 
 def test_a_failing_cache_write_costs_the_cache_entry_not_the_analysis(tmp_path):
     with serve(lambda body, n: (200, _completion(GOOD), 0.0, {})) as srv, \
-            LLMAnalyzer(srv.url, model="m", cache_path=tmp_path / "c.jsonl", seed=0) as an:
+            LLMAnalyzer(srv.url, model="m", cache_path=tmp_path / "c.jsonl") as an:
         an._cache_file.close()  # every write now raises ValueError (I/O on a closed file), like a full disk
         out = an.analyze([_traj(0), _traj(1, won=False)])
         assert all(isinstance(a, Analysis) for a in out) and an.stats["failures"] == 0

@@ -47,18 +47,64 @@ def _view():
                                           "go east", True)])
 
 
+def _running_fake(tmp_path):
+    """The fake server above as a running process on a free loopback port (an endpoint someone else runs)."""
+    import socket
+    import subprocess
+    import time
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER.format(python=sys.executable, argv_file=str(tmp_path / "attached_argv.json")))
+    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            requests.get(url + "/health", timeout=1)
+            return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the fake analyzer server did not start")
+
+
 def test_attaches_to_base_url_without_launching(tiny_cfg, tmp_path):
-    cfg = tiny_cfg("analyzer.backend=llm", "analyzer.base_url=http://10.1.2.3:8000/v1", "analyzer.model=m")
+    proc, url = _running_fake(tmp_path)
+    cfg = tiny_cfg("analyzer.backend=llm", f"analyzer.base_url={url}/v1", "analyzer.model=m")
 
     def launch(*a):
         raise AssertionError("must not launch a server when analyzer.base_url is set")
 
-    analyzer, server = build_analyzer(cfg, None, tmp_path, launch=launch)
     try:
-        assert server is None and isinstance(analyzer, LLMAnalyzer)
-        assert analyzer.url == "http://10.1.2.3:8000/v1/chat/completions" and analyzer.model == "m"
+        analyzer, server = build_analyzer(cfg, None, tmp_path, launch=launch)  # the start-up probe answered
+        try:
+            assert server is None and isinstance(analyzer, LLMAnalyzer)
+            assert analyzer.url == f"{url}/v1/chat/completions" and analyzer.model == "m"
+        finally:
+            analyzer.close()
     finally:
-        analyzer.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_bad_endpoint_is_one_line_at_start(tiny_cfg, tmp_path):
+    """The start-up probe: nothing listens at analyzer.base_url -> AnalyzerUnavailable naming the key to check."""
+    import socket
+
+    from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connection refused
+    cfg = tiny_cfg("analyzer.backend=llm", f"analyzer.base_url=http://127.0.0.1:{port}/v1", "analyzer.model=m",
+                   "analyzer.max_retries=0")
+    with pytest.raises(AnalyzerUnavailable, match="analyzer.base_url") as e:
+        build_analyzer(cfg, None, tmp_path, launch=None)
+    assert "\n" not in str(e.value)
 
 
 def test_empty_model_is_a_clear_error(tiny_cfg, tmp_path):
@@ -78,7 +124,9 @@ def test_launches_a_server_for_the_model_and_shuts_it_down(tiny_cfg, tmp_path):
                                       launch=lambda c, d: launch_analyzer_server(c, d, python=str(fake)))
     try:
         argv = json.loads(argv_file.read_text())
-        assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[3] == "/models/analyzer-7b"
+        # through opid_mega.keyed: the run's API key reaches the server by a pipe, never on its command line
+        assert argv[:4] == ["-m", "opid_mega.keyed", "sglang.launch_server", "--model-path"]
+        assert argv[4] == "/models/analyzer-7b" and "--api-key" not in argv
         assert argv[-2:] == ["--tp", "2"]  # analyzer.sglang_args verbatim, after the launcher's own flags
         assert analyzer.url == server.url + "/v1/chat/completions" and analyzer.model == "/models/analyzer-7b"
         assert server.log_path.startswith(str(tmp_path / "sglang_analyzer"))
