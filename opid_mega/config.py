@@ -25,6 +25,22 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
 
 
+class YAMLLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader (YAML 1.1) with YAML 1.2's floats: `1e-6`, `1E6`, `-2e-3`, `.5`, `-.5`, `1.`, `5e+3` are
+    numbers (1.1 needs a dot and a signed exponent: it reads `1e-6` as the string '1e-6'). Everything else is as
+    safe_load reads it; integers stay integers. Every config file and key=value override is read with it."""
+
+
+# YAML 1.2 core schema floats (with a dot or an exponent: "10" stays an int; 1.1's forms still resolve first)
+_FLOAT_12 = re.compile(r"^(?=[^.eE]*[.eE])[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$")
+YAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+
+
+def yaml_load(stream):
+    """yaml.safe_load with YAML 1.2 floats (YAMLLoader)."""
+    return yaml.load(stream, Loader=YAMLLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------------
@@ -63,7 +79,9 @@ class ParallelConfig:
 
 @dataclass
 class EnvConfig:
-    name: Literal["textworld", "alfworld", "search_qa", "webshop"] = "textworld"
+    # textworld | alfworld | search_qa | webshop, or a plug-in: an import path "package.module:Class" naming a subclass
+    # of opid_mega.envs.Env (importable: PYTHONPATH or an installed package; docs/custom_env.md)
+    name: str = "textworld"
     max_steps: int = 30
     history_length: int = 5
     # Step-prompt templates (opid_mega/envs/prompts.py): reference = the reference's shapes (ALFWorld/TextWorld step 0
@@ -71,7 +89,9 @@ class EnvConfig:
     # WebShop's own closing paragraph); ours = this project's earlier templates (task line at every step, ", "
     # joins), which the first CPU experiment used
     template: Literal["reference", "ours"] = "reference"
-    # Backend-specific options passed to opid_mega.envs.make_env(name, **options); the backend validates them.
+    # Backend-specific options passed to opid_mega.envs.make_env(name, **options), i.e. to the env class's
+    # constructor (plus make_env's `process` and, in a worker process, `start_method` / `timeout`); checked against
+    # the constructor's signature when the config is loaded (a constructor with **kwargs accepts any option).
     options: dict = field(default_factory=dict)
     train_split: str = "train"
     eval_split: str = "test"
@@ -117,7 +137,12 @@ class RolloutConfig:
 
 @dataclass
 class AnalyzerConfig:
-    backend: Literal["rules", "llm"] = "rules"
+    # rules | llm, or a plug-in: an import path "package.module:Class" naming a subclass of opid_mega.skills.Analyzer,
+    # built as Class(**analyzer.options) (docs/custom_env.md, "Analyzer plug-ins")
+    backend: str = "rules"
+    # Keyword arguments of a plug-in analyzer's constructor (checked against its signature at load); {} otherwise.
+    # A constructor with a max_step_skills parameter also gets analyzer.max_step_skills unless options set it.
+    options: dict = field(default_factory=dict)
     # OpenAI-compatible endpoint. Empty with backend=llm: the trainer launches an SGLang server for `model`
     # (opid_mega.rollout.sglang_engine's launcher, endpoint <url>/v1) and shuts it down at the end of the run.
     base_url: str = ""
@@ -619,7 +644,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"{item}: an override must look like key.sub=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except Exception:  # noqa: BLE001 - YAMLError, and ValueError for a 4300+ digit integer: the text as a string
         value = raw
     return key, value
@@ -671,7 +696,29 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"analyzer.json_mode: got {cfg.analyzer.json_mode!r} with analyzer.response_format="
                           f"{cfg.analyzer.response_format}, allowed: null (json_mode is the deprecated alias of "
                           "response_format: set only response_format)")
+    _check_plugins(cfg)
     return cfg
+
+
+def _check_plugins(cfg: Config) -> None:
+    """env.name / env.options and analyzer.backend / analyzer.options: import paths imported and checked, options
+    checked against the constructors (opid_mega.plugins), before anything is built."""
+    from opid_mega.envs import check_env_config
+    from opid_mega.plugins import PluginError, check_analyzer, is_import_path
+
+    a = cfg.analyzer
+    try:
+        check_env_config(cfg.env)
+        if is_import_path(a.backend):
+            check_analyzer(a.backend, a.options)
+        elif a.backend not in ("rules", "llm"):
+            raise ConfigError(f"analyzer.backend: got {a.backend!r}, allowed: 'rules', 'llm' or an import path "
+                              "'package.module:Class' (a subclass of opid_mega.skills.Analyzer)")
+        elif a.options:
+            raise ConfigError(f"analyzer.options: got {_show(a.options)} with analyzer.backend={a.backend}, allowed: "
+                              "{} (the options of a plug-in analyzer's constructor)")
+    except PluginError as e:
+        raise ConfigError(str(e)) from None
 
 
 def config_from_dict(data: dict | None) -> Config:
@@ -685,6 +732,22 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+# Options belong to one class: a layer (a file over its `base:`, or the overrides over the file) that changes the
+# class key starts from no options instead of the earlier layer's (a plug-in env never gets TextWorld's options).
+_CLASS_OPTIONS = (("env", "name", "options"), ("analyzer", "backend", "options"))
+_CLASS_DEFAULTS = {"env": "textworld", "analyzer": "rules"}  # EnvConfig.name, AnalyzerConfig.backend
+
+
+def _drop_foreign_options(base: dict, names: dict) -> dict:
+    """`base` without the options of each section whose class key `names` ({section: new class key}) changes."""
+    out = dict(base)
+    for section, key, options in _CLASS_OPTIONS:
+        old = out.get(section)
+        if section in names and isinstance(old, dict) and options in old and names[section] != old.get(key, _CLASS_DEFAULTS[section]):
+            out[section] = {k: v for k, v in old.items() if k != options}
+    return out
+
+
 def _read_yaml(path: str, seen: tuple = ()) -> dict:
     """A config file as a dict. A top-level `base: other.yaml` (relative to this file) is read first and this file's
     sections are merged over it, key by key (lists and scalars replace)."""
@@ -694,7 +757,7 @@ def _read_yaml(path: str, seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: `base:` includes itself ({' -> '.join(seen + (path,))})")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as e:
@@ -711,14 +774,18 @@ def _read_yaml(path: str, seen: tuple = ()) -> dict:
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base: got {base!r}, allowed: the path of another config file")
     parent = os.path.join(os.path.dirname(os.path.abspath(path)), base)
-    return _merge(_read_yaml(parent, seen + (os.path.abspath(path),)), data)
+    names = {sec: data[sec][key] for sec, key, _ in _CLASS_OPTIONS
+             if isinstance(data.get(sec), dict) and key in data[sec]}
+    return _merge(_drop_foreign_options(_read_yaml(parent, seen + (os.path.abspath(path),)), names), data)
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML file (or the defaults when `path` is None), apply `key.sub=value` overrides, validate."""
     data: dict = _read_yaml(path) if path else {}
-    for item in overrides:
-        key, value = parse_override(item)
+    parsed = [parse_override(item) for item in overrides]
+    names = {k.split(".")[0]: v for k, v in parsed if k in ("env.name", "analyzer.backend")}
+    data = _drop_foreign_options(data, names)  # env.name=other:Env: the file's env.options are not its options
+    for key, value in parsed:
         _set_dotted(data, key, value)
     return config_from_dict(data)
 

@@ -124,7 +124,7 @@ def digest_diff(a: dict, b: dict) -> list:
 def read_saved_config(run_dir: str | os.PathLike, where: Optional[str] = None):
     """The Config in ``run_dir/config.yaml``, strictly: a missing, empty, unparseable or incomplete file (a section
     missing: a file cut short) is a :class:`RunDirError` (one line), never a run with default hyper-parameters."""
-    from opid_mega.config import ConfigError, config_from_dict
+    from opid_mega.config import ConfigError, config_from_dict, yaml_load
 
     path = Path(run_dir) / CONFIG_FILE
     where = where or f"--resume {run_dir}"
@@ -138,7 +138,7 @@ def read_saved_config(run_dir: str | os.PathLike, where: Optional[str] = None):
         raise RunDirError(f"{where}: {path} is empty (damaged: opid-train writes it whole); restore it, or start "
                           "anew with --overwrite")
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)  # YAML 1.2 floats, as config files (a hand-edited `lr: 1e-6` is a number)
     except yaml.YAMLError as e:
         raise RunDirError(f"{where}: {path} is not valid YAML ({str(e).splitlines()[0]}); restore it, or start anew "
                           "with --overwrite") from None

@@ -166,7 +166,11 @@ def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
         opts["skill_max_step_skills"] = cfg.analyzer.max_step_skills
     else:
         opts.pop("skill_share", None)
-    prompts = template_fingerprint(cfg.env.template, cfg.env.name)
+    from opid_mega.plugins import is_import_path, source_fingerprint
+
+    # a plug-in env (env.name "package.module:Class") renders its own prompts: the hash of its module's source
+    prompts = source_fingerprint(cfg.env.name) if is_import_path(cfg.env.name) \
+        else template_fingerprint(cfg.env.template, cfg.env.name)
     if prompts != PROMPTS_BEFORE_TEMPLATES.get(cfg.env.name):
         opts["prompt_templates"] = f"{cfg.env.template}:{prompts}"
     cfg_file = Path(base_dir) / "config.json"

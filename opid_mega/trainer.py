@@ -135,7 +135,9 @@ def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executa
 
 def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_server):
     """(analyzer or None, the analyzer server this run launched or None). backend=llm with an empty
-    analyzer.base_url launches `launch(cfg, run_dir)` (a server with .url and .shutdown()); else it attaches."""
+    analyzer.base_url launches `launch(cfg, run_dir)` (a server with .url and .shutdown()); else it attaches.
+    An import path "package.module:Class" builds that opid_mega.skills.Analyzer subclass with analyzer.options
+    (opid_mega.plugins.build_analyzer; the protocol: docs/custom_env.md)."""
     if not cfg.algo.needs_analysis:
         return None, None
     a = cfg.analyzer
@@ -143,6 +145,12 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
         from opid_mega.skills import RuleAnalyzer
 
         return RuleAnalyzer(max_step_skills=a.max_step_skills), None
+    from opid_mega.plugins import is_import_path
+
+    if is_import_path(a.backend):
+        from opid_mega.plugins import build_analyzer as build_plugin
+
+        return build_plugin(a), None
     from opid_mega.skills.llm_analyzer import LLMAnalyzer
 
     server = None if a.base_url else launch(cfg, run_dir)
@@ -741,7 +749,7 @@ class Trainer:
 
         deadline_s = self.cfg.analyzer.deadline_s
         job = self.analyzer.submit(views, iteration=it, deadline_s=deadline_s) \
-            if isinstance(self.analyzer, LLMAnalyzer) else self.analyzer.submit(views)
+            if isinstance(self.analyzer, LLMAnalyzer) else self.analyzer.submit(views, iteration=it)
         # the LLM analyzer ends its own job at the deadline (partial results); a little slack for it to return
         job.opid_deadline = time.monotonic() + deadline_s + (30.0 if isinstance(self.analyzer, LLMAnalyzer) else 0.0)
         return job

@@ -28,10 +28,10 @@ def test_file_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("algo:\n  mode: grpo\nparallel:\n  tp: 2\n")
     c = load_config(str(f), ["algo.lambda_episode=0.5", "parallel.pp=2", "algo.delta_clip=null",
-                             "env.options={difficulty: 3}", "rollout.sglang_args=[--foo, bar]"])
+                             "env.options={pool_size: {train: 3}}", "rollout.sglang_args=[--foo, bar]"])
     assert c.algo.mode == "grpo" and c.parallel.tp == 2 and c.parallel.pp == 2
     assert c.algo.lambda_episode == 0.5 and isinstance(c.algo.lambda_episode, float)
-    assert c.env.options == {"difficulty": 3} and c.rollout.sglang_args == ["--foo", "bar"]
+    assert c.env.options == {"pool_size": {"train": 3}} and c.rollout.sglang_args == ["--foo", "bar"]
     assert not c.algo.needs_analysis and c.algo.routing == "step_priority"
     assert load_config(None, ["algo.mode=no_routing"]).algo.routing == "additive"
     # The dump is itself a valid config that resolves to the same thing.
