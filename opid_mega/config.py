@@ -650,7 +650,9 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def validate(cfg: Config) -> Config:
+def validate(cfg: Config, plugins: bool = True) -> Config:
+    """Range and cross-key checks; `plugins` (default): also env.name / analyzer.backend imported and the options
+    checked against the constructors (off only for readers that build no env or analyzer: opid-export)."""
     for dotted, (ok, allowed) in _CHECKS.items():
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -696,7 +698,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"analyzer.json_mode: got {cfg.analyzer.json_mode!r} with analyzer.response_format="
                           f"{cfg.analyzer.response_format}, allowed: null (json_mode is the deprecated alias of "
                           "response_format: set only response_format)")
-    _check_plugins(cfg)
+    if plugins:
+        _check_plugins(cfg)
     return cfg
 
 
@@ -721,8 +724,8 @@ def _check_plugins(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
-def config_from_dict(data: dict | None) -> Config:
-    return validate(_build(Config, data or {}, ""))
+def config_from_dict(data: dict | None, plugins: bool = True) -> Config:
+    return validate(_build(Config, data or {}, ""), plugins=plugins)
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -98,7 +98,8 @@ def plan_export(run_dir: str | os.PathLike, step: Optional[int] = None) -> Expor
     if not rd.is_dir():
         raise ExportError(f"{rd} is not a directory (expected a run directory of opid-train)")
     try:
-        cfg, _ = rundir.resume_config(rd, (), where=str(rd))
+        # the model only: a plug-in env / analyzer of the run need not be importable here (docs/custom_env.md)
+        cfg, _ = rundir.resume_config(rd, (), where=str(rd), plugins=False)
     except rundir.RunDirError as e:
         raise ExportError(str(e)) from None
     except ConfigError as e:

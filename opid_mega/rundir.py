@@ -121,9 +121,11 @@ def digest_diff(a: dict, b: dict) -> list:
     return sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
 
 
-def read_saved_config(run_dir: str | os.PathLike, where: Optional[str] = None):
+def read_saved_config(run_dir: str | os.PathLike, where: Optional[str] = None, plugins: bool = True):
     """The Config in ``run_dir/config.yaml``, strictly: a missing, empty, unparseable or incomplete file (a section
-    missing: a file cut short) is a :class:`RunDirError` (one line), never a run with default hyper-parameters."""
+    missing: a file cut short) is a :class:`RunDirError` (one line), never a run with default hyper-parameters.
+    plugins=False: a plug-in env / analyzer (env.name, analyzer.backend import paths) is not imported (opid-export
+    builds neither, so it works without the plug-in on the path)."""
     from opid_mega.config import ConfigError, config_from_dict, yaml_load
 
     path = Path(run_dir) / CONFIG_FILE
@@ -149,7 +151,7 @@ def read_saved_config(run_dir: str | os.PathLike, where: Optional[str] = None):
         raise RunDirError(f"{where}: {path} is incomplete (no section {', '.join(missing)}: cut short?); restore it, "
                           "or start anew with --overwrite")
     try:
-        return config_from_dict(data)
+        return config_from_dict(data, plugins=plugins)
     except ConfigError as e:
         raise RunDirError(f"{where}: {path}: {e}") from None
 
@@ -195,17 +197,18 @@ def record_resume(run_dir: str | os.PathLike, step: int, overrides: Sequence[str
         os.fsync(f.fileno())
 
 
-def resume_config(run_dir: str | os.PathLike, overrides: Sequence[str], where: Optional[str] = None):
+def resume_config(run_dir: str | os.PathLike, overrides: Sequence[str], where: Optional[str] = None,
+                  plugins: bool = True):
     """(the config a resume runs with, the digest of config.yaml's own config): config.yaml (strictly) with the
-    overrides of earlier resumes and then ``overrides`` applied."""
+    overrides of earlier resumes and then ``overrides`` applied (`plugins`: read_saved_config)."""
     from opid_mega.config import _set_dotted, config_from_dict, parse_override
 
-    base = read_saved_config(run_dir, where)
+    base = read_saved_config(run_dir, where, plugins=plugins)
     data = base.to_dict()
     for item in list(recorded_overrides(run_dir)) + list(overrides):  # a bad one: ConfigError
         key, value = parse_override(item)
         _set_dotted(data, key, value)
-    return config_from_dict(data), config_digest(base)
+    return config_from_dict(data, plugins=plugins), config_digest(base)
 
 
 def checkpoint_digest(ckpt_dir: str, step: int) -> Optional[dict]:

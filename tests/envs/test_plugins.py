@@ -247,3 +247,32 @@ def test_opid_train_exits_2_on_a_bad_option(plugin_dir, capsys, monkeypatch):
         assert cli.train_main(["--config", TINY_CFG, "--run-dir", str(run)] + overrides) == 2
         out, err = capsys.readouterr()
         assert err.strip().splitlines() == [line] and not run.exists()
+
+
+def test_a_run_of_a_plugin_read_back_without_the_plugin(plugin_dir, tmp_path):
+    """Resuming needs the plug-in (one line when it is gone); opid-export reads the config without importing it."""
+    from opid_mega import rundir
+    from opid_mega.export import ExportError, plan_export
+
+    cfg = C.load_config(TINY_CFG, ["env.name=guess_env:GuessEnv", "env.options.size=4"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.dump_config(cfg).replace("guess_env:GuessEnv", "gone_env:GuessEnv"))
+    with pytest.raises(rundir.RunDirError) as e:
+        rundir.read_saved_config(run)
+    assert str(e.value).endswith("env.name: cannot import 'gone_env:GuessEnv': No module named 'gone_env'")
+    assert rundir.read_saved_config(run, plugins=False).env.options == {"size": 4}
+    with pytest.raises(ExportError, match="checkpoint"):  # got past the config: no checkpoint in this run
+        plan_export(run)
+
+
+def test_the_warm_start_key_follows_the_plugin_source(plugin_dir, tmp_path):
+    """model.init_from=sft with a plug-in env: the opid-sft cache key hashes the module's source (no built-in
+    template to fingerprint), so editing the env's prompts builds a new warm start."""
+    from opid_mega.sft import sft_key
+
+    cfg = C.load_config(TINY_CFG, ["env.name=guess_env:GuessEnv", "env.options.size=4"])
+    key = sft_key(cfg, str(tmp_path), {})
+    assert key == sft_key(cfg, str(tmp_path), {})
+    (plugin_dir / "guess_env.py").write_text(doc_module("guess_env").replace("number-guessing game", "guessing game"))
+    assert sft_key(cfg, str(tmp_path), {}) != key
