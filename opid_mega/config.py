@@ -395,9 +395,20 @@ class SyncConfig:
 
 @dataclass
 class LoggingConfig:
+    """What a run records besides its checkpoints (docs/runs.md, Logging). Rank 0 also writes everything the console
+    shows to <run_dir>/train.log (appended on resume)."""
+
     run_dir: str = "runs/default"
-    tensorboard: bool = True
+    tensorboard: bool = True  # <run_dir>/tensorboard: the metrics, the resolved config (text) and its hparams
     progress: bool = True
+    # Weights & Biases (pip package wandb): the metrics of metrics.jsonl at every step and the resolved config;
+    # WANDB_MODE=offline (or wandb_mode: offline) writes the run to disk without a network (`wandb sync` later)
+    wandb: bool = False
+    wandb_project: str = "opid-mega"
+    wandb_name: str = ""  # the W&B run's display name (empty: the run directory's name)
+    wandb_entity: str = ""  # team or user (empty: wandb's default entity)
+    wandb_tags: list = field(default_factory=list)  # e.g. [opid, qwen3-8b]
+    wandb_mode: Literal["", "online", "offline", "disabled"] = ""  # empty: WANDB_MODE, else online
 
 
 @dataclass
@@ -523,6 +534,8 @@ _CHECKS: dict[str, tuple] = {
     "sync.check_interval": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     "sync.check_tokens": _POSITIVE_INT,
     "sync.check_tol": _NON_NEG,
+    "logging.wandb_tags": (lambda v: all(isinstance(t, str) and 0 < len(t) <= 64 for t in v),
+                           "a list of strings of 1 to 64 characters"),
 }
 
 

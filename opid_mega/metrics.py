@@ -11,6 +11,14 @@ metrics.jsonl holds one JSON object per `log` call: `{"step": int, "time": unix 
 <key>: number | null, ...}`. Non-finite numbers are written as null (JSON has no NaN). Several lines may share a
 step (e.g. an eval logged separately); `read_metrics(..., merge=True)` merges them, later keys winning.
 
+Optional sinks, each a warning line on stderr when its package is missing (the run goes on without it):
+- TensorBoard (RUN_DIR/tensorboard): every metric as a scalar; `config` (the resolved config, a nested dict) as the
+  text "config" (its YAML) and as hyper-parameters (the HPARAMS tab, one entry per dotted key).
+- Weights & Biases (`wandb=wandb_settings(cfg.logging, run_dir)`, None: off): `wandb.init(config=config, ...)`, then
+  every line of metrics.jsonl as `wandb.log` (same keys, nulls left out) with "step" as the x axis. The W&B run id is
+  the run id (RUN_DIR/run_id), so a resume continues the same W&B run. WANDB_MODE=offline writes RUN_DIR/wandb/
+  (or WANDB_DIR) without a network; `wandb sync` uploads it later. A W&B error never stops the run (one warning).
+
 In a distributed run create the logger on one rank only (e.g. global rank 0, after the trainer has reduced the
 numbers); other ranks should not touch the files.
 
@@ -25,6 +33,8 @@ import json
 import math
 import numbers
 import os
+import re
+import sys
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -136,11 +146,48 @@ class Timer:
         return out
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict[str, bool | int | float | str]:
+    """{"train": {"lr": 1e-6}} -> {"train.lr": 1e-6}: scalars kept, anything else (lists, None, ...) as its str()."""
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_config(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def wandb_settings(logging_cfg: Any, run_dir: str | os.PathLike) -> Optional[dict]:
+    """wandb.init keyword arguments from the config's `logging` section (None when logging.wandb is off)."""
+    if not getattr(logging_cfg, "wandb", False):
+        return None
+    from opid_mega.rundir import run_id
+
+    run_dir = Path(run_dir)
+    rid = run_id(run_dir, create=False)
+    kw: dict[str, Any] = {"project": logging_cfg.wandb_project or None, "name": logging_cfg.wandb_name or run_dir.name,
+                          "entity": logging_cfg.wandb_entity or None, "tags": list(logging_cfg.wandb_tags) or None,
+                          "mode": logging_cfg.wandb_mode or None}
+    if rid:  # W&B ids may not hold / \ # ? % : (and at most 64 characters)
+        kw["id"] = re.sub(r"[^A-Za-z0-9_.-]", "-", rid)[-64:]
+    if not os.environ.get("WANDB_DIR"):
+        kw["dir"] = str(run_dir)  # RUN_DIR/wandb/
+    return kw
+
+
 class MetricsLogger:
-    """metrics.jsonl + optional TensorBoard + optional tqdm bar. Use as a context manager or call close()."""
+    """metrics.jsonl + optional TensorBoard, W&B + optional tqdm bar. Use as a context manager or call close()."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, progress: bool = True,
-                 total: Optional[int] = None, resume_step: Optional[int] = None, desc: str = "opid"):
+                 total: Optional[int] = None, resume_step: Optional[int] = None, desc: str = "opid",
+                 config: Optional[dict] = None, wandb: Optional[dict] = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -168,17 +215,54 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except Exception:  # tensorboard is optional
+            except Exception as exc:  # tensorboard is optional
                 SummaryWriter = None
+                _warn(f"logging.tensorboard: TensorBoard is not available ({str(exc).splitlines()[0]}); the run goes "
+                      "on without it (pip install tensorboard, or logging.tensorboard=false)")
             if SummaryWriter is not None:
                 kw = {} if resume_step is None else {"purge_step": resume_step + 1}
                 self.tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), **kw)
+                if config is not None:
+                    self._tb_config(config, resume_step or 0)
+
+        self.wandb = None
+        if wandb is not None:
+            self.wandb = self._wandb_init(wandb, config)
 
         self.bar = None
         if progress:  # a tqdm bar on a terminal, one line per iteration in a log file (opid_mega.progress)
             from opid_mega.progress import progress as make_progress
 
             self.bar = make_progress(total=total, initial=resume_step or 0, desc=desc, unit="it")
+
+    def _tb_config(self, config: dict, step: int) -> None:
+        """The resolved config as TensorBoard text (YAML, a Markdown code block) and as hyper-parameters."""
+        import yaml
+        from torch.utils.tensorboard.summary import hparams
+
+        text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+        self.tb.add_text("config", "".join("    " + line for line in text.splitlines(True)), global_step=step)
+        metrics = {key: 0.0 for key, _, _ in PROGRESS_KEYS}  # the headline scalars beside the hyper-parameters
+        for summary in hparams(flatten_config(config), metrics):
+            self.tb.file_writer.add_summary(summary, global_step=step)
+        self.tb.flush()
+
+    def _wandb_init(self, settings: dict, config: Optional[dict]):
+        try:
+            import wandb
+        except ImportError as exc:
+            _warn(f"logging.wandb: the wandb package is not installed ({exc}); the run goes on without W&B "
+                  "(pip install wandb, or logging.wandb=false)")
+            return None
+        try:
+            run = wandb.init(config=config, resume="allow", **settings)
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")  # resumed runs re-log steps: "step" is the x axis, not _step
+            return run
+        except Exception as exc:  # noqa: BLE001 - no network, no API key, ...: the run goes on
+            _warn(f"logging.wandb: wandb.init failed ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}); "
+                  "the run goes on without W&B (WANDB_MODE=offline logs without a network)")
+            return None
 
     # ---------------------------------------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
@@ -198,6 +282,13 @@ class MetricsLogger:
                 if key not in ("step", "time", "elapsed_s") and value is not None:
                     self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            try:
+                self.wandb.log({k: v for k, v in rec.items() if v is not None})
+            except Exception as exc:  # noqa: BLE001 - W&B never stops a run
+                _warn(f"logging.wandb: wandb.log failed ({type(exc).__name__}: {exc}); W&B logging is off from step "
+                      f"{step}")
+                self.wandb = None
         if self.bar is not None:
             self._update_bar(step, rec)
         return rec
@@ -227,6 +318,12 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            run, self.wandb = self.wandb, None
+            try:
+                run.finish()
+            except Exception as exc:  # noqa: BLE001
+                _warn(f"logging.wandb: wandb finish failed ({type(exc).__name__}: {exc})")
         if self.bar is not None:
             self.bar.close()
             self.bar = None

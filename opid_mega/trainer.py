@@ -549,8 +549,13 @@ class Trainer:
         self.colocation = Colocation(cfg, self.policy, self.engine)  # no-op unless colocated on GPU
         if resume:
             self.sync_weights(self.start)
+        # the resolved config (secrets emptied) goes to TensorBoard (text + hparams) and W&B (wandb.init(config=))
+        from opid_mega.config import redacted
+        from opid_mega.metrics import wandb_settings
+
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                                 total=cfg.train.iterations, resume_step=self.start if resume else None) \
+                                 total=cfg.train.iterations, resume_step=self.start if resume else None,
+                                 config=redacted(cfg), wandb=wandb_settings(cfg.logging, self.run_dir)) \
             if self.rank0 else None
 
     # ---- the loop -----------------------------------------------------------------------------------------------

@@ -88,6 +88,12 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
 
     r = _train(["--resume", str(run)])
     assert r.returncode == 0, r.stderr[-3000:]
+    # train.log: the killed start's console and the resume's, appended (a header line per start)
+    log = (run / "train.log").read_text().splitlines()
+    starts = [i for i, line in enumerate(log) if line.startswith("==== ")]
+    assert len(starts) == 2 and "--resume" in log[starts[1]] and "--resume" not in log[starts[0]], starts
+    assert f"opid-train: done, run directory {run} (plots: opid-report {run})" in log[starts[1]:]
+    assert all(line in log[starts[1]:] for line in r.stdout.splitlines() if line.startswith("opid-train:"))
     a, b = _metrics(ref), _metrics(run)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     for ma, mb in zip(a, b):
