@@ -190,6 +190,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     lock = None
     try:
         plan = rundir.plan_run(args.config, args.run_dir, args.resume, args.overwrite, args.overrides)
+        if not layout_ok("opid-train", plan.cfg):  # before anything is written (the run directory included)
+            return 2
         if rank0:  # one trainer per run directory, for the run's whole life (released when the process ends)
             lock = rundir.RunLock(plan.run_dir)
             # again under the lock: another trainer may have written the directory since
@@ -236,8 +238,6 @@ def _train_log(plan, argv: Optional[Sequence[str]]):
 def _train_planned(plan, rank0: bool) -> int:
     """opid-train after its run directory has been planned (and locked by global rank 0)."""
     cfg, run_dir = plan.cfg, plan.run_dir
-    if not layout_ok("opid-train", cfg):
-        return 2
     if not apply_core_budget("opid-train", cfg):
         return 2
     from opid_mega import shutdown
@@ -249,11 +249,15 @@ def _train_planned(plan, rank0: bool) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(first_run_notice(cfg), flush=True)
         from opid_mega.megatron.checkpoint import CheckpointError
-        from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
+        from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
+        from opid_mega.trainer import AnalyzerFailed, RolloutEngineDied, TrainingInterrupted, train
 
         train(cfg, str(run_dir), resume=plan.resume, resume_overrides=tuple(plan.overrides),
               config_digest=plan.digest)
-    except RolloutEngineDied as e:
+    except AnalyzerUnavailable as e:  # the start-up probe: a bad analyzer key / URL / model
+        print(f"opid-train: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (RolloutEngineDied, AnalyzerFailed) as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 3
     except CheckpointError as e:  # e.g. too little disk space: one line, the previous checkpoint intact

@@ -845,6 +845,22 @@ def dump_config(cfg: Config, redact: bool = True) -> str:
     return yaml.safe_dump(redacted(cfg) if redact else cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
+class _DisplayDumper(yaml.SafeDumper):
+    """`python -m opid_mega.config`'s output: finite floats as Python writes them (1e-06, 0.1, 3e+30), which YAML 1.2
+    and this module's loader read back as the same floats. config.yaml keeps PyYAML's form (1.0e-06), which plain
+    YAML 1.1 readers (yaml.safe_load) also read as a float."""
+
+
+def _display_float(dumper, value: float):
+    if math.isfinite(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:float", repr(value))
+    return dumper.represent_float(value)
+
+
+_DisplayDumper.add_representer(float, _display_float)
+_DisplayDumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -855,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(dump_config(cfg))
+    sys.stdout.write(yaml.dump(redacted(cfg), Dumper=_DisplayDumper, sort_keys=False, default_flow_style=False))
     return 0
 
 

@@ -49,6 +49,10 @@ class RolloutEngineDied(RuntimeError):
     """The rollout engine failed; the message names the iteration and the last checkpoint."""
 
 
+class AnalyzerFailed(RuntimeError):
+    """Every analysis failed in analyzer.max_failed_iterations iterations in a row; the message says where."""
+
+
 class TrainingInterrupted(Exception):
     """Ctrl-C (SIGINT), SIGTERM or SIGHUP during training (`signum`); the message says where it stopped, the last
     checkpoint and how to resume."""
@@ -160,11 +164,25 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
 
         # a launched server's own key (Authorization: Bearer), else analyzer.api_key / $analyzer.api_key_env
         key = (getattr(server, "api_key", None) if server is not None else None) or resolve_api_key(a)
-        return LLMAnalyzer(base_url, model=a.model, api_key=key, concurrency=a.concurrency,
-                           timeout_s=a.timeout_s, max_retries=a.max_retries, backoff_s=a.backoff_s,
-                           backoff_max_s=a.backoff_max_s, temperature=a.temperature, max_tokens=a.max_tokens,
-                           json_mode=a.json_mode, max_step_skills=a.max_step_skills, gamma=a.gamma,
-                           cache_path=a.cache_path or run_dir / "analysis_cache.jsonl", audit=audit), server
+        from opid_mega.config import analyzer_response_format
+
+        analyzer = LLMAnalyzer(base_url, model=a.model, api_key=key, concurrency=a.concurrency,
+                               timeout_s=a.timeout_s, stall_timeout_s=a.stall_timeout_s, max_retries=a.max_retries,
+                               backoff_s=a.backoff_s, backoff_max_s=a.backoff_max_s, temperature=a.temperature,
+                               max_tokens=a.max_tokens, response_format=analyzer_response_format(a),
+                               parser=a.parser, max_step_skills=a.max_step_skills, gamma=a.gamma,
+                               cache_path=a.cache_path or run_dir / "analysis_cache.jsonl", audit=audit)
+        try:
+            # one short request before the first rollout: a bad key / URL / model is one line now (exit 2), not a
+            # run whose every analysis fails (LLMAnalyzer.probe raises AnalyzerUnavailable)
+            result = analyzer.probe()
+        except BaseException:
+            analyzer.close()
+            raise
+        rate = f", {result.tokens_per_s:.1f} tokens/s" if result.tokens_per_s else ""
+        print(f"analyzer: {result.model} at {result.url} answered the probe in {result.seconds:.2f} s{rate}",
+              flush=True)
+        return analyzer, server
     except BaseException:
         if server is not None:
             server.shutdown()
@@ -513,6 +531,7 @@ class Trainer:
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.analysis_failures = 0
+        self.failed_iterations = 0  # iterations in a row in which every analysis failed (analyzer.max_failed_iterations)
         self.deadline_failures = 0  # analyses of the current iteration that missed analyzer.deadline_s
         self.skills_truncated = 0  # skills of the current iteration's analyses cut to analyzer.max_skill_tokens
         self.current = 0  # the iteration in progress (0: none yet)
@@ -796,6 +815,14 @@ class Trainer:
         if count_failures:
             self.analysis_failures += sum(a is None for a in analyses)
             self.deadline_failures = late
+            # analyzer.max_failed_iterations iterations in a row with every analysis failed stop the run
+            if analyses:  # (an iteration with nothing to analyse leaves the count as it is)
+                self.failed_iterations = self.failed_iterations + 1 if all(a is None for a in analyses) else 0
+            limit = self.cfg.analyzer.max_failed_iterations
+            if limit and self.failed_iterations >= limit:
+                raise AnalyzerFailed(f"iteration {it}: every analysis failed in {self.failed_iterations} iterations "
+                                     f"in a row (analyzer.max_failed_iterations={limit}; the reasons are in "
+                                     f"{self.run_dir / 'audit.jsonl'})")
         return analyses
 
     # ---- evaluation ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from opid_mega import config as C
+from opid_mega.config import yaml_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -24,9 +25,14 @@ def test_the_acceptance_command_prints_the_float():
     r = subprocess.run([sys.executable, "-m", "opid_mega.config", TINY, "train.lr=1e-6"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    train = yaml.safe_load(r.stdout)["train"]  # written in the spelling YAML 1.1 readers also read as a float
+    assert "  lr: 1e-06\n" in r.stdout  # the acceptance: Python's spelling, a YAML 1.2 float
+    train = yaml_load(r.stdout)["train"]
     assert train["lr"] == 1e-06 and isinstance(train["lr"], float)
-    assert "  lr: 1.0e-06\n" in r.stdout
+    # what the trainer writes (config.yaml) keeps the spelling plain YAML 1.1 readers also read as a float
+    from opid_mega.config import dump_config, load_config
+
+    dumped = dump_config(load_config(TINY, ["train.lr=1e-6"]))
+    assert "  lr: 1.0e-06\n" in dumped and yaml.safe_load(dumped)["train"]["lr"] == 1e-06
 
 
 @pytest.mark.parametrize("text,value", list(FLOATS.items()) + list(NOT_FLOATS.items()))

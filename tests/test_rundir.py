@@ -197,9 +197,13 @@ def test_cli_refuses_a_fresh_run_into_a_run_and_moves_it_aside_with_overwrite(tm
     r = cli("--config", CONFIG, "--run-dir", str(d), "--resume", "auto")
     assert r.returncode == 2 and "none is complete" in r.stderr and "--overwrite" in r.stderr, r.stderr
     assert _snapshot(d) == before
-    # --overwrite, with a layout that is refused right after the directory was handled (no training starts)
+    # --overwrite with a layout that cannot start: refused before the old run is moved
     r = cli("--config", CONFIG, "--run-dir", str(d), "--overwrite", "parallel.tp=3")
-    assert r.returncode == 2, r.stderr
+    assert r.returncode == 2 and "tp=3" in r.stderr and _snapshot(d) == before, r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    # --overwrite with cores this machine lacks: refused right after the directory was handled (no training starts)
+    r = cli("--config", CONFIG, "--run-dir", str(d), "--overwrite", "deploy.trainer_cpus=[4096]")
+    assert r.returncode == 2 and "4096" in r.stderr, r.stderr
     old = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert len(old) == 1 and "moved the run" in r.stdout and str(old[0]) in r.stdout
     assert _snapshot(old[0]) == {k: v for k, v in before.items()} | {".lock": _snapshot(old[0])[".lock"]}
