@@ -129,6 +129,7 @@ def tee_console(path: str | os.PathLike, argv: Optional[Sequence[str]] = None) -
     tee_out = TeeStream(old_out, log) if old_out is not None else None
     tee_err = TeeStream(old_err, log) if old_err is not None else None
     sys.stdout, sys.stderr = tee_out, tee_err
+    moved = _retarget_handlers({id(old_out): tee_out, id(old_err): tee_err})
     try:
         yield str(path)
     except BaseException as exc:
@@ -140,4 +141,24 @@ def tee_console(path: str | os.PathLike, argv: Optional[Sequence[str]] = None) -
             sys.stdout = old_out
         if sys.stderr is tee_err:
             sys.stderr = old_err
+        for handler, stream, tee in moved:
+            if handler.stream is tee:
+                handler.stream = stream
         log.close()
+
+
+def _retarget_handlers(tees: dict) -> list:
+    """logging.StreamHandlers created before the tee (transformers' and megatron's, on import) hold the original
+    stream: point them at its tee. Returns (handler, original stream, tee) to undo."""
+    import logging
+
+    loggers = [logging.getLogger()] + [x for x in list(logging.Logger.manager.loggerDict.values())
+                                       if isinstance(x, logging.Logger)]
+    moved = []
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler and tees.get(id(handler.stream)) is not None:
+                tee = tees[id(handler.stream)]
+                moved.append((handler, handler.stream, tee))
+                handler.stream = tee
+    return moved

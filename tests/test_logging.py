@@ -134,18 +134,26 @@ def test_a_missing_logger_package_is_one_warning_line_and_the_run_goes_on(tmp_pa
 
 
 def test_tee_console_copies_both_streams_appends_and_keeps_the_traceback(tmp_path, capsys):
+    import logging
+
     path = tmp_path / TRAIN_LOG
     console_out = sys.stdout
+    handler = logging.StreamHandler(sys.stderr)  # made before the tee, as a library does on import
+    logger = logging.getLogger("opid-test-tee")
+    logger.addHandler(handler)
+    logger.propagate = False
     with tee_console(path, argv=["opid-train", "analyzer.api_key=" + SECRET, "train.lr=1e-6"]):
         assert sys.stdout.isatty() == console_out.isatty() and sys.stdout.encoding == console_out.encoding
         print("line one")
         print("to stderr", file=sys.stderr)
+        logger.warning("from logging")
         sys.stdout.write("no newline yet")
-        assert path.read_text().endswith("to stderr\n")  # flushed at every line
+        assert path.read_text().endswith("from logging\n")  # flushed at every line
     print("after the block")
-    assert sys.stdout is console_out
+    assert sys.stdout is console_out and handler.stream is sys.stderr
+    logger.removeHandler(handler)
     out, err = capsys.readouterr()
-    assert out == "line one\nno newline yetafter the block\n" and err == "to stderr\n"  # the console unchanged
+    assert out == "line one\nno newline yetafter the block\n" and err == "to stderr\nfrom logging\n"  # unchanged
     with pytest.raises(ValueError, match="boom"):
         with tee_console(path, argv=["opid-train", "--resume", "x"]):
             print("resumed")
@@ -154,7 +162,7 @@ def test_tee_console_copies_both_streams_appends_and_keeps_the_traceback(tmp_pat
     lines = path.read_text().splitlines()
     headers = [x for x in lines if x.startswith("==== ")]
     assert len(headers) == 2 and SECRET not in path.read_text() and "analyzer.api_key=***" in headers[0]
-    assert lines[1:5] == ["line one", "to stderr", "no newline yet", headers[1]]
+    assert lines[1:6] == ["line one", "to stderr", "from logging", "no newline yet", headers[1]]
     assert "resumed" in lines and lines[-1] == "ValueError: boom" and "Traceback (most recent call last):" in lines
 
 
