@@ -306,3 +306,18 @@ def test_weight_sync_disk_dir_is_run_owned_and_only_its_versions_are_removed(tmp
     assert sorted(p.name for p in shared.iterdir()) == sorted(["venv", "val_data", "vocab_cache", "v_notes", "vfoo",
                                                                "other-run-1234abcd", mine.name])
     assert (shared / "other-run-1234abcd" / "v7").is_dir()
+
+
+def test_records_holding_unicode_line_separators_read_back_whole(tmp_path):
+    """Records are written with ensure_ascii=False and end with "\\n" only: a U+2028 / U+2029 / NEL / VT / FF inside
+    a record's text (an observation, a task) is part of that record, not a line break (str.splitlines would split)."""
+    from opid_mega.skills.audit import AuditLog, read_audit
+
+    texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x0bh\x0ci", "j\x1ck\x1dl\x1em"]
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i, t in enumerate(texts):
+        log.log_analysis(iteration=1, traj_id=f"t{i}", task=t, won=True, prompt=t, raw_reply=None, failure="x")
+    log.close()
+    got = list(read_audit(path, "analysis"))
+    assert [r["task"] for r in got] == texts

@@ -104,8 +104,12 @@ class AuditLog:
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """(line number, record) of a JSONL file; a torn (unparseable) LAST line — a run killed mid-write — is skipped,
     a bad line elsewhere is an error naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    with open(path, encoding="utf-8", newline="") as f:
+        # records end with "\n" only: str.splitlines() would also split at U+2028, NEL, ... inside a record
+        # (written with ensure_ascii=False)
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
     for i, line in enumerate(lines):
         if not line.strip():
             continue

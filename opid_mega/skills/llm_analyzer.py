@@ -725,7 +725,8 @@ class LLMAnalyzer(Analyzer):
         from opid_mega.jsonl import cut_to_last_line
 
         cut_to_last_line(path)  # a torn last line of a killed run: the next record must start on its own line
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()  # a torn UTF-8 byte: that line only
+        # a torn UTF-8 byte costs that line only; records end with "\n" only (not U+2028 / NEL: splitlines() would)
+        lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
         bad = 0
         for line in lines:
             if not line.strip():
