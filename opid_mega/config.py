@@ -183,7 +183,7 @@ class AnalyzerConfig:
     # The run stops (one line, exit 3) after this many iterations in a row in which every analysis failed (0: never)
     max_failed_iterations: int = 3
     # Skills (episode and step) longer than this many tokens of the policy tokenizer are cut at a word boundary
-    # (metric analysis/skills_truncated); the fork scorer's budget is derived from it (README "Runs, resume and faults")
+    # (metric analysis/skills_truncated); the fork scorer's budget is derived from it (docs/runs.md "Untrusted analyzer output")
     max_skill_tokens: int = 256
     # On-disk analysis cache (JSONL, keyed by the trajectory text); empty: <run_dir>/analysis_cache.jsonl.
     cache_path: str = ""
@@ -206,7 +206,7 @@ class AlgoConfig:
     invalid_penalty: float = 0.1
     delta_normalize: bool = False
     delta_clip: Optional[float] = None
-    # the token-level skill signal added with λ (README "Beyond the sampled token"): sampled = the paper's
+    # the token-level skill signal added with λ (docs/algorithm.md "Beyond the sampled token"): sampled = the paper's
     # Δ = log p_s(y) - log p_o(y); full_kl / topk_kl = Δ + KL(p_o || p_s) (exact / top-k), its conditional mean removed
     delta: Literal["sampled", "full_kl", "topk_kl"] = "sampled"
     delta_topk: int = 32  # k of topk_kl: the top-k ids of p_s, plus one bucket for the rest
@@ -229,7 +229,7 @@ class AlgoConfig:
     kl_kind: Literal["low_var_kl", "k1", "k2", "mse"] = "low_var_kl"
     entropy_coef: float = 0.001
 
-    # The mode decides routing and which skill types carry signal (OPID.md, "Critical-first routing"); routing is
+    # The mode decides routing and which skill types carry signal (docs/algorithm.md §4 "Critical-first routing"); routing is
     # also gated by λ as in the reference: lambda_step=0 routes like mode=no_step_skill, lambda_episode=0 like
     # mode=no_episode_skill (algo.route_skills).
     @property
@@ -371,7 +371,7 @@ class DeployConfig:
     release_engine_memory: bool = True
     # CPU machines: the cores of the trainer's ranks and of the SGLang servers it launches (their OpenMP threads are
     # bound there: SGLANG_CPU_OMP_THREADS_BIND). Empty: every core, shared by phase (servers sleep while idle,
-    # the trainer waits on HTTP during rollout). README "CPU core budget" has the measured trade-off.
+    # the trainer waits on HTTP during rollout). docs/performance.md "CPU core budget" has the measured trade-off.
     trainer_cpus: list = field(default_factory=list)
     server_cpus: list = field(default_factory=list)
 
@@ -679,7 +679,7 @@ def validate(cfg: Config, plugins: bool = True) -> Config:
         raise ConfigError(f"train.lr_warmup_ratio: got {cfg.train.lr_warmup_ratio!r} with train.lr_scheduler="
                           f"{cfg.train.lr_scheduler}, allowed: a number in (0, 1] with lr_scheduler=warmup, 0 with "
                           "lr_scheduler=constant")
-    # README "Beyond the sampled token": both need a skill term (routing) and the divergence kernel's inputs
+    # docs/algorithm.md "Beyond the sampled token": both need a skill term (routing) and the divergence kernel's inputs
     no_skill_term = cfg.algo.mode in ("grpo", "skill_grpo")
     if cfg.algo.delta != "sampled" and no_skill_term:
         raise ConfigError(f"algo.delta: got {cfg.algo.delta!r} with algo.mode={cfg.algo.mode}, allowed: 'sampled' "

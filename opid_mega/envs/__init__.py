@@ -32,7 +32,7 @@ from opid_mega.plugins import PluginError, check_options, constructor_options, i
 ENV_NAMES = ("textworld", "alfworld", "search_qa", "webshop")
 DEFAULT_ENV = "textworld"  # the offline default
 
-# Defaults the rollout/trainer should use per env (OPID.md setups; TextWorld follows ALFWorld).
+# Defaults the rollout/trainer should use per env (docs/algorithm.md "Setups in the paper"; TextWorld follows ALFWorld).
 ENV_DEFAULTS = {
     "textworld": {"max_steps": 30, "history_length": 5, "success_reward": 10.0, "invalid_penalty": 0.1},
     "alfworld": {"max_steps": 30, "history_length": 5, "success_reward": 10.0, "invalid_penalty": 0.1},

@@ -12,7 +12,7 @@ and "truncated" (the episode ended because it hit `max_steps`). The step reward 
 step that ends the episode: `success_reward` (10.0 for TextWorld/ALFWorld/WebShop, 1.0 for Search-QA) when won, else
 0.0 — so the return of a trajectory is in {0, success_reward}.
 
-Invalid actions (OPID.md "Reference rules in detail"): `project_action(response)` applies the reference's rules and
+Invalid actions (docs/algorithm.md "Reference rules in detail"): `project_action(response)` applies the reference's rules and
 returns (action or None, valid). A response without an action (no tags) makes the agent loop step the env's
 `noop_action`; a response whose action was extracted but that breaks a format rule (think tags missing, Chinese
 characters, duplicate search/answer blocks) executes that action, as the reference does. Either way the trainer

@@ -2,7 +2,7 @@
 `project_action`).
 
 Two template sets (`env.template`, the builders' `template=` argument):
-  * "reference" (default): the shapes OPID.md "More reference facts" (Environment templates) describes.
+  * "reference" (default): the shapes docs/algorithm.md "More reference facts" (Environment templates) describes.
     ALFWorld step 0 has no history and no task line of its own: ALFWorld's first observation ends with the task
     line ("Your task is to: ..."), so the episode skill lands mid-prompt, right before the admissible-actions line.
     TextWorld, our offline stand-in for ALFWorld, follows the same rule: its env ends the first observation with a
@@ -214,7 +214,7 @@ def template_fingerprint(template: str = DEFAULT_TEMPLATE, family: Optional[str]
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
 # The reference's projection rules (verl-agent `alfworld_projection` / `webshop_projection` / `search_projection`,
-# OPID.md "Reference rules in detail" -> "Invalid actions").
+# docs/algorithm.md "Reference rules in detail" -> "Invalid actions").
 _CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
 _SEARCH_BLOCK_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL | re.IGNORECASE)
 _ANSWER_BLOCK_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
