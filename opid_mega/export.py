@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from opid_mega.rundir import fsync_path
+
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32",
           "float16": "float16"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -209,16 +211,6 @@ def _support_files(src: str) -> list[Path]:
     return out
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_weights(tensors: Iterator, tmp: Path, shard_bytes: int) -> tuple[int, int]:
     """Save (name, tensor) pairs as safetensors shards in ``tmp``; returns (tensor count, total bytes)."""
     from safetensors.torch import save_file
@@ -232,7 +224,7 @@ def _write_weights(tensors: Iterator, tmp: Path, shard_bytes: int) -> tuple[int,
         if shard:
             path = tmp / f".part-{len(parts):05d}.safetensors"
             save_file(shard, str(path), metadata={"format": "pt"})
-            _fsync(path)
+            fsync_path(path)
             parts.append((path, list(shard)))
             shard, size = {}, 0
 
@@ -325,14 +317,14 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: Opti
         (tmp / PROVENANCE).write_text(json.dumps({
             "run_dir": str(plan.run_dir.resolve()), "step": plan.step, "dtype": name,
             "source_model": str(Path(plan.source_dir).resolve()), "tensors": count, "bytes": nbytes}, indent=2) + "\n")
-        _fsync(tmp)
+        fsync_path(tmp)
         old = out.with_name(out.name + ".old")
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.rename(out, old)
         os.rename(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -65,10 +65,12 @@ def write_atomic(path: str | os.PathLike, text: str, mode: int = 0o600) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory: its entries, e.g. a rename in it); best effort, never raises (a
+    file system without directory fsync, a path that went away)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

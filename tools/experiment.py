@@ -45,6 +45,9 @@ if str(ROOT) not in sys.path:  # run as `python tools/experiment.py` from a chec
 # Arm -> the overrides that make it (on top of the base config; nothing else differs between arms).
 ARMS: dict[str, tuple[str, ...]] = {
     "grpo": ("algo.mode=grpo",),
+    # the reference's GRPO baseline scripts (ALFWorld, WebShop; our TextWorld follows ALFWorld): mean_norm outcome
+    # advantages, whatever the OPID arms' config uses (its ALFWorld-3B OPID script has mean_std_norm)
+    "grpo_paper": ("algo.mode=grpo", "algo.outcome_mode=mean_norm"),
     "opid": ("algo.mode=opid", "algo.placement=faithful"),
     "opid_late": ("algo.mode=opid", "algo.placement=late"),
     "no_routing": ("algo.mode=no_routing", "algo.placement=faithful"),

@@ -39,6 +39,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from opid_mega.megatron import extra_state
+from opid_mega.rundir import fsync_path
 
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
@@ -150,24 +151,38 @@ def save(ckpt_dir: str, step: int, chunks, optimizer=None, extra: Optional[dict]
         return _save(ckpt_dir, step, chunks, optimizer, extra, keep)
 
 
-def _fork_results_queue() -> None:
-    """megatron's FileSystemWriterAsync collects its writers' results on a queue from a *spawn*-context Manager,
-    created on a process's first save: a fresh interpreter that re-imports the main module (opid-train: torch,
-    megatron), ~4 s on the 2-core CI machine, inside the save's collectives (a rank that is that much later than
-    the others trips deploy.train_timeout_s). A fork-context Manager gives the same queue proxy in milliseconds;
-    megatron forks its writer processes anyway."""
-    import multiprocessing as mp
+_WRITER_QUEUE: Optional[threading.Thread] = None
 
+
+def prepare_writer() -> None:
+    """Start creating megatron's checkpoint-writer results queue in the background (idempotent). megatron's
+    FileSystemWriterAsync makes it on a process's first save from a *spawn*-context Manager: a fresh interpreter that
+    re-imports the main module (opid-train: ~4 s on the 2-core CI machine), inside the save's collectives, where a
+    rank that much later than the others trips deploy.train_timeout_s. The trainer calls this at start-up, so the
+    first save finds it ready. (A fork-context Manager would be instant but inherits the rank's file descriptors:
+    a forked server that outlives a killed rank keeps the launcher from seeing that rank die.)"""
+    global _WRITER_QUEUE
+    if _WRITER_QUEUE is not None:
+        return
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:  # megatron's lazily created global
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # made already (or megatron changed)
+        return
+    _WRITER_QUEUE = threading.Thread(target=filesystem_async._get_write_results_queue, name="ckpt-writer-queue",
+                                     daemon=True)
+    _WRITER_QUEUE.start()
+
+
+def _writer_ready() -> None:
+    """Wait for prepare_writer's queue (the first save only); without it megatron makes the queue itself."""
+    if _WRITER_QUEUE is not None:
+        _WRITER_QUEUE.join()
 
 
 def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], keep: int) -> str:
     final = os.path.join(ckpt_dir, f"step_{step}")
     tmp = final + ".tmp"
-    _fork_results_queue()
+    _writer_ready()
     rank = dist.get_rank()
     check_disk_space(ckpt_dir, step, chunks, optimizer)  # a collective; raises on every rank, before any write
     if rank == 0:
@@ -209,7 +224,7 @@ def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], ke
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
+        fsync_path(ckpt_dir)
         shutil.rmtree(old, ignore_errors=True)
         _fault("renamed", step, final)
         with open(os.path.join(ckpt_dir, "latest_step.tmp"), "w") as f:
@@ -217,7 +232,7 @@ def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], ke
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(ckpt_dir, "latest_step.tmp"), os.path.join(ckpt_dir, "latest_step"))
-        _fsync_dir(ckpt_dir)
+        fsync_path(ckpt_dir)
         if keep > 0:
             prune(ckpt_dir, keep)
     dist.barrier()
@@ -227,19 +242,6 @@ def _save(ckpt_dir: str, step: int, chunks, optimizer, extra: Optional[dict], ke
 def _fsync_file(path: str) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -396,7 +398,12 @@ def checkpoint_problem(path: str) -> Optional[str]:
     try:
         common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        return "no common.pt"
+        # megatron-core >= 0.19 keeps the common state inside the torch_dist files (a "common_state" object) and
+        # writes no common.pt: read it the way that megatron-core does (0.16's reader looks for common.pt only)
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+        except Exception:  # noqa: BLE001 - an older megatron-core, or the object is missing / unreadable
+            return "no common.pt"
     except Exception as e:  # noqa: BLE001 - any unpickling failure
         return f"unreadable common.pt ({type(e).__name__})"
     try:
@@ -471,7 +478,7 @@ def clean_uncommitted(ckpt_dir: str) -> list[str]:
             os.remove(full)
             removed.append(name)
     if removed:
-        _fsync_dir(ckpt_dir)
+        fsync_path(ckpt_dir)
     return removed
 
 

@@ -36,6 +36,10 @@ class Policy:
         parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend,
                             timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=cfg.deploy.control_timeout_s,
                             gpu_ids=_train_gpus(cfg))
+        if cfg.train.save_interval:  # the checkpoint writer's queue, made while the model builds (see the function)
+            from opid_mega.megatron.checkpoint import prepare_writer
+
+            prepare_writer()
         self.cfg, self.hf_dir = cfg, hf_dir
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
         tcfg = transformer_config(self.hf_config, tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=torch_dtype(cfg.model.dtype),

@@ -95,7 +95,9 @@ def test_a_slow_server_gets_less_work():
 
 
 def test_a_dead_server_leaves_rotation_and_its_chunks_are_retried():
-    good, bad = _Engine("good", 0.01), _Engine("bad", 0.01, fail_after=1)
+    # the bad server fails its first call; the good one is slow enough (7 chunks x 0.1 s) that the bad one's worker
+    # surely asks for a chunk before the good one has taken them all, on a loaded machine too
+    good, bad = _Engine("good", 0.1), _Engine("bad", 0.01, fail_after=0)
     fleet = FleetEngine([bad, good], chunk_prompts=3)
     out = fleet.generate(_prompts(20), SamplingParams(seed=7))
     assert [r.response_ids for r in out] == [[7 + i, 1 + i % 5, 100 + i] for i in range(20)]  # nothing lost

@@ -32,10 +32,12 @@ class _Garbage(BaseHTTPRequestHandler):
 @pytest.mark.slow
 def test_step0_invariants_and_analyzer_failures(tiny_cfg, tmp_path):
     port = closed_port()
-    cfg = tiny_cfg("analyzer.backend=llm", f"analyzer.base_url=http://127.0.0.1:{port}/v1", "analyzer.model=m",
-                   "analyzer.max_retries=0", "analyzer.timeout_s=5")
-    tr = Trainer(cfg, str(tmp_path))
+    cfg = tiny_cfg("analyzer.max_retries=0", "analyzer.timeout_s=5")
+    tr = Trainer(cfg, str(tmp_path))  # (an analyzer.base_url that is down would be refused by the start-up probe)
     try:
+        # the endpoint goes down after the start: every analysis of the iteration fails
+        tr.analyzer = LLMAnalyzer(f"http://127.0.0.1:{port}/v1", model="m", max_retries=0, timeout_s=5,
+                                  audit=tr.audit)
         # iteration 1, analyzer down (closed port): step-0 invariants hold, the run goes on without a skill term
         m = tr.iteration(1)
         # trainer old log-probs = local engine log-probs (fp32; the engine's HF model loads after cpu_compat.apply()
