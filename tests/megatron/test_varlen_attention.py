@@ -96,23 +96,8 @@ def test_bad_fork_layouts_are_refused():
 
 
 # ------------------------------------------------------------------------------------------------- through the model
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
-def dense_mask_attention(q, k, v, params, *, softmax_scale, dropout_p=0.0, te_module=None, dropout_rng=None):
-    """The reference: ONE SDPA over the whole pack with the dense [N, N] fork mask."""
-    from opid_mega.kernels.fork_attention import fork_attention_mask
-
-    mask = fork_attention_mask(params.cu_seqlens_q, params.branches(q.device))
-    rep = q.shape[1] // k.shape[1]
-    qq, kk, vv = (x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-    return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=softmax_scale)[0].transpose(0, 1)
+# the model-level fixture and the dense-mask reference are test_packed_attention's (one definition)
+from test_packed_attention import dense_mask_attention, mp1  # noqa: E402,F401
 
 
 def _model(hf_dir):
