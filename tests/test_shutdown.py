@@ -5,6 +5,7 @@ The handlers and the watchdog are process-wide, so every case that installs them
 pytest process must keep its own SIGINT behaviour); the checkpoint hold is tested in-process with the handler only.
 """
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def _alive(pid: int) -> bool:
 
 def _child(tmp_path, block: bool, grace: float = 2.0, preexec=None):
     env = {**os.environ, "GRACE": str(grace), "BLOCK": "1" if block else "0"}
+    if preexec is None:  # a SIGHUP ignored by whoever started pytest (nohup) would stay ignored in the child
+        preexec = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     line = proc.stdout.readline().split()
@@ -68,8 +71,34 @@ def test_signal_takes_the_interrupt_path_and_stops_the_groups(tmp_path, sig):
     assert not _alive(group) and not _alive(plain)
 
 
+# clock_nanosleep's syscall number (time.sleep), by machine
+_SLEEP_SYSCALL = {"x86_64": 230, "aarch64": 115}
+
+
+def _wait_until_sleeping(pid: int, timeout_s: float = 30.0) -> None:
+    """Until the child's main thread is inside time.sleep's system call. Before that it still runs bytecode, and
+    CPython runs a Python signal handler in the main thread whatever that thread's signal mask (the C handler runs on
+    the watchdog thread and sets the interpreter's flag): a SIGTERM sent in that window is handled at once."""
+    want = _SLEEP_SYSCALL.get(platform.machine())
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/syscall") as f:
+                nr = f.read().split()[0]
+        except (OSError, IndexError):
+            nr = None
+        if want is None or nr is None:  # no syscall file here: a pause long enough for a few bytecodes
+            time.sleep(1.0)
+            return
+        if nr == str(want):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the child's main thread never reached time.sleep (syscall {nr})")
+
+
 def test_watchdog_ends_a_process_whose_main_thread_is_blocked(tmp_path):
     proc, group, plain = _child(tmp_path, block=True, grace=2.0)
+    _wait_until_sleeping(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

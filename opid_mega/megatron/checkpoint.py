@@ -160,7 +160,9 @@ def prepare_writer() -> None:
     re-imports the main module (opid-train: ~4 s on the 2-core CI machine), inside the save's collectives, where a
     rank that much later than the others trips deploy.train_timeout_s. The trainer calls this at start-up, so the
     first save finds it ready. (A fork-context Manager would be instant but inherits the rank's file descriptors:
-    a forked server that outlives a killed rank keeps the launcher from seeing that rank die.)"""
+    a forked server that outlives a killed rank keeps the launcher from seeing that rank die.) The thread is not a daemon:
+    a process that ends while the Manager is still starting would otherwise hang at exit (multiprocessing's atexit
+    joins a Manager process whose shutdown was never registered)."""
     global _WRITER_QUEUE
     if _WRITER_QUEUE is not None:
         return
@@ -169,7 +171,7 @@ def prepare_writer() -> None:
     if getattr(filesystem_async, "_results_queue", False) is not None:  # made already (or megatron changed)
         return
     _WRITER_QUEUE = threading.Thread(target=filesystem_async._get_write_results_queue, name="ckpt-writer-queue",
-                                     daemon=True)
+                                     daemon=False)
     _WRITER_QUEUE.start()
 
 

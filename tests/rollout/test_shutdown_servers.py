@@ -97,7 +97,9 @@ def test_signal_leaves_no_process_of_the_run(case, tmp_path, real_sglang_cpu, ti
     err = tmp_path / "stderr"
     with open(tmp_path / "stdout", "w") as fo, open(err, "w") as fe:
         proc = subprocess.Popen([sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)]
-                                + args, env=ENV, stdout=fo, stderr=fe, start_new_session=True)
+                                + args, env=ENV, stdout=fo, stderr=fe, start_new_session=True,
+                                # a SIGHUP ignored by whoever started pytest (nohup) would stay ignored in the run
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
             t0 = time.monotonic()
             while _generates(run) < 2:  # the rollout has begun (past the servers' warm-up request)
