@@ -68,8 +68,12 @@ def test_every_paper_config_follows_its_reference_script():
         assert (a.delta_normalize, a.delta_clip) == (False, None), name
         assert (t.lr, t.grad_clip, t.ppo_epochs, t.use_reference) == (1e-6, 1.0, 1, True), name
         assert (cfg.rollout.temperature, cfg.eval.temperature, cfg.eval.with_skills) == (1.0, 0.4, False), name
-        assert (cfg.analyzer.gamma, cfg.analyzer.max_tokens, cfg.analyzer.max_retries, cfg.analyzer.backoff_s,
+        # OPID.md "More reference facts": Retries (5 attempts in all = 1 + 4 retries) and Analyzer sampling (no
+        # temperature sent, no response format); the reference's parser edge cases
+        assert (cfg.analyzer.gamma, cfg.analyzer.max_tokens, 1 + cfg.analyzer.max_retries, cfg.analyzer.backoff_s,
                 cfg.analyzer.backoff_max_s) == (0.95, 4096, 5, 1.0, 30.0), name
+        assert (cfg.analyzer.temperature, cfg.analyzer.response_format, cfg.analyzer.json_mode,
+                cfg.analyzer.parser) == (None, "none", None, "reference"), name
         if env == "search_qa":  # warm-up over the first 10% of steps; validation only at the end
             assert (t.lr_scheduler, t.lr_warmup_ratio) == ("warmup", 0.1), name
             assert _evaluated_iterations(cfg) == [150], name
