@@ -1,4 +1,4 @@
-"""Environments for OPID rollouts: one protocol (`Env`), four backends, verl-agent style prompts.
+"""Environments for OPID rollouts: one protocol (`Env`), five backends, verl-agent style prompts.
 
     from opid_mega.envs import make_env
     env = make_env("textworld")                # offline default: locally generated TextWorld games
@@ -10,7 +10,8 @@
 
 Backends: "textworld" (offline default), "alfworld" (real ALFWorld data, or locally generated ALFWorld PDDL games
 with `generated=True`), "search_qa" (BM25 over a local corpus; a country-facts corpus ships in opid_mega/data),
-"webshop" (HTTP client for a running WebShop server).
+"webshop" (HTTP client for a running WebShop server), "footprints" (a pure-Python game with one critical door
+decision, the mechanism experiment's task family: footprints_env).
 
 Plug-ins: `name` may be an import path "package.module:Class" naming a subclass of `Env` defined anywhere on
 `sys.path` (config `env.name`); its `env.options` go to the class's constructor (docs/custom_env.md).
@@ -29,7 +30,7 @@ from opid_mega.envs.prompts import (CLOSING_ANCHOR, DEFAULT_TEMPLATE, PROMPT_BUI
                                     format_response, get_prompt_builder, parse_action, project_action)
 from opid_mega.plugins import PluginError, check_options, constructor_options, is_import_path, load_class
 
-ENV_NAMES = ("textworld", "alfworld", "search_qa", "webshop")
+ENV_NAMES = ("textworld", "alfworld", "search_qa", "webshop", "footprints")
 DEFAULT_ENV = "textworld"  # the offline default
 
 # Defaults the rollout/trainer should use per env (docs/algorithm.md "Setups in the paper"; TextWorld follows ALFWorld).
@@ -38,6 +39,8 @@ ENV_DEFAULTS = {
     "alfworld": {"max_steps": 30, "history_length": 5, "success_reward": 10.0, "invalid_penalty": 0.1},
     "webshop": {"max_steps": 15, "history_length": 2, "success_reward": 10.0, "invalid_penalty": 0.1},
     "search_qa": {"max_steps": 4, "history_length": 4, "success_reward": 1.0, "invalid_penalty": 0.01},
+    # the mechanism experiment's game: each game's own budget (expert length + 1) is 4 or 5 steps
+    "footprints": {"max_steps": 5, "history_length": 5, "success_reward": 10.0, "invalid_penalty": 0.1},
 }
 
 
@@ -49,7 +52,8 @@ ENV_BASE = "opid_mega.envs.Env"  # how messages name the base class of plug-in e
 _BUILTIN_CLASSES = {"textworld": ("opid_mega.envs.textworld_env", "TextWorldEnv"),
                     "alfworld": ("opid_mega.envs.alfworld_env", "AlfWorldEnv"),
                     "search_qa": ("opid_mega.envs.search_qa", "SearchQAEnv"),
-                    "webshop": ("opid_mega.envs.webshop", "WebShopEnv")}
+                    "webshop": ("opid_mega.envs.webshop", "WebShopEnv"),
+                    "footprints": ("opid_mega.envs.footprints_env", "FootprintsEnv")}
 # make_env's own keywords, set from other config keys (never in env.options)
 _RESERVED = {"max_steps": "env.max_steps", "step_timeout_s": "env.step_timeout_s", "template": "env.template"}
 _WORKER_OPTIONS = ("start_method", "timeout")  # ProcessEnv's own options (env.options when it runs in a worker)
@@ -171,6 +175,10 @@ def make_env(name: str, process: Optional[bool] = None, step_timeout_s: Optional
         from opid_mega.envs.search_qa import SearchQAEnv
 
         env = SearchQAEnv(**options)
+    elif key == "footprints":
+        from opid_mega.envs.footprints_env import FootprintsEnv
+
+        env = FootprintsEnv(template=template, **options)
     else:
         from opid_mega.envs.webshop import WebShopEnv
 

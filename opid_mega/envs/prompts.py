@@ -6,9 +6,10 @@ Two template sets (`env.template`, the builders' `template=` argument):
     ALFWorld step 0 has no history and no task line of its own: ALFWorld's first observation ends with the task
     line ("Your task is to: ..."), so the episode skill lands mid-prompt, right before the admissible-actions line.
     TextWorld, our offline stand-in for ALFWorld, follows the same rule: its env ends the first observation with a
-    "Your task is to: <objective>" line, as ALFWorld's game does. Later steps open with the intro and the task line.
-    ALFWorld/TextWorld admissible actions are quoted and joined by a newline and a space. WebShop has a closing
-    paragraph of its own (one action that best advances the shopping goal), Search-QA too.
+    "Your task is to: <objective>" line, as ALFWorld's game does; Footprints (the mechanism experiment's game) too.
+    Later steps open with the intro and the task line. ALFWorld/TextWorld (and Footprints) admissible actions are
+    quoted and joined by a newline and a space. WebShop has a closing paragraph of its own (one action that best
+    advances the shopping goal), Search-QA too.
   * "ours" (what this project used before; the first CPU experiment ran with it): every prompt opens with the
     intro and the task line (step 0 too), ALFWorld/TextWorld actions are joined by ", ", and WebShop shares the
     ALFWorld closing paragraph.
@@ -67,11 +68,12 @@ _AGENTS = {
     "textworld": "You are an expert agent playing a TextWorld text adventure game.",
     "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment.",
     "search": "You are an expert agent answering a question step by step with a search engine.",
+    "footprints": "You are an expert agent playing a text adventure game.",
 }
 _TASK_PHRASE = {"alfworld": "Your task is to:", "textworld": "Your task is to:", "webshop": "Your task is to:",
-                "search": "Your question:"}
+                "search": "Your question:", "footprints": "Your task is to:"}
 # "reference": ALFWorld's step-0 template has no task line (the task ends the first observation); TextWorld follows
-STEP0_WITHOUT_TASK_LINE = ("alfworld", "textworld")
+STEP0_WITHOUT_TASK_LINE = ("alfworld", "textworld", "footprints")
 
 
 def _one_line(text: str) -> str:
@@ -152,6 +154,13 @@ def build_webshop_prompt(task_description, history, current_obs, admissible_acti
                           history_length, step_count, template)
 
 
+def build_footprints_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
+                            template: str = DEFAULT_TEMPLATE):
+    """Footprints (opid_mega.envs.footprints_env): TextWorld's template with an intro line of its own."""
+    return _action_prompt("footprints", task_description, history, current_obs, admissible_actions,
+                          history_length, step_count, template)
+
+
 def build_search_prompt(task_description, history, current_obs, admissible_actions, history_length, step_count,
                         template: str = DEFAULT_TEMPLATE):
     """Search-QA: `admissible_actions` is ignored (free-form <search>/<answer>). The window shows each past action
@@ -182,6 +191,7 @@ PROMPT_BUILDERS: dict[str, Callable[..., str]] = {
     "webshop": build_webshop_prompt,
     "search": build_search_prompt,
     "search_qa": build_search_prompt,
+    "footprints": build_footprints_prompt,
 }
 
 

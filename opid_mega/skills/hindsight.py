@@ -1,0 +1,92 @@
+"""A best-case hindsight analyzer for the footprints game, DISCLOSED AS PRIVILEGED (the mechanism experiment's
+positive control: docs/experiments.md "Building blocks of the mechanism experiment").
+
+    analyzer.backend: opid_mega.skills.hindsight:FootprintsHindsightAnalyzer
+
+Privileged: it is written for this one game by someone who knows its rules. It reads only the trajectory (each
+step's observation and action, and whether it was won), but it knows which sentences carry the truth: the closet
+wall names the right door, and a vault is entered only through the right door. An LLM analyzer has no such
+knowledge; results with this analyzer measure what the pipeline does with correct hindsight, not what OPID's
+analyzer would find. Every analysis says so in its summary ("privileged footprints hindsight: ...", audit.jsonl).
+
+Skills (step indices are 0-based, as RuleAnalyzer's: step t's skill goes into the prompt of step t). The door step
+is the step whose action took the agent through a door: the next step's observation is the closet's or the vault's
+entry text, which names the door just opened.
+  * a wrong door W, the closet wall naming R: a step skill at the door step, "Open the R door instead of the W
+    door: ...", and an episode skill naming the cue (the fresh footprints) and R;
+  * the right door R (won, or lost because the chest was empty, or lost in the vault): "the R door was right" step
+    and episode skills; lost in the vault without ever doing `take coin` adds a step skill "Take the coin now" at the
+    first vault step (a lost `take coin` means the chest was empty: the coin was gone, not a mistake);
+  * no door outcome in the trajectory (no door opened, or the door step was the last step): an episode skill naming
+    the cue, no step skill.
+A step skill never names a wrong door as the thing to do: a wrong colour appears only after "instead of".
+At most `max_step_skills` step skills (the door step first).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from opid_mega.envs.footprints_env import CLOSET_ENTRY_RE, EMPTY_CHEST, REVEAL_RE, VAULT_ENTRY_RE
+from opid_mega.skills.base import Analyzer
+from opid_mega.skills.types import Analysis, TrajectoryView
+
+CUE_RULE = "In the hall, open the door the fresh footprints lead to; the rug's colour means nothing."
+
+
+class FootprintsHindsightAnalyzer(Analyzer):
+    def __init__(self, max_step_skills: int = 5):
+        if isinstance(max_step_skills, bool) or not isinstance(max_step_skills, int) or max_step_skills < 0:
+            raise ValueError(f"FootprintsHindsightAnalyzer: max_step_skills must be an int >= 0, got "
+                             f"{max_step_skills!r}")
+        self.max_step_skills = max_step_skills
+
+    def analyze(self, trajs: list[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
+        return [self.analyze_one(t) for t in trajs]
+
+    def analyze_one(self, traj: TrajectoryView) -> Optional[Analysis]:
+        steps = traj.step_views()
+        if not steps:
+            return None
+        obs = [s.raw_obs or "" for s in steps]
+        door = None  # (door step, opened colour, right colour, through the right door)
+        for t in range(len(steps) - 1):
+            closet, vault = CLOSET_ENTRY_RE.search(obs[t + 1]), VAULT_ENTRY_RE.search(obs[t + 1])
+            if closet:
+                reveal = REVEAL_RE.search(obs[t + 1])
+                if reveal:
+                    door = (t, closet.group(1), reveal.group(1), False)
+                break
+            if vault:
+                door = (t, vault.group(1), vault.group(1), True)
+                break
+        if door is None:
+            return Analysis(episode_summary=f"privileged footprints hindsight: no door outcome in {len(steps)} "
+                                            "steps", episode_skill=CUE_RULE, step_skills={})
+        t, opened, right, correct = door
+        skills: dict[int, str] = {}
+        if not correct:
+            skills[t] = (f"Open the {right} door instead of the {opened} door: the fresh footprints lead to the "
+                         f"{right} door.")
+            episode = (f"{CUE_RULE} Here the footprints lead to the {right} door; the {opened} door led into a "
+                       "locked closet and lost the game.")
+            summary = f"wrong door {opened} at step {t} (right: {right}, from the closet wall); lost"
+        else:
+            skills[t] = f"Open the {right} door: the fresh footprints lead to it, and it is the right door."
+            # the coin was gone: the chest was seen empty, or `take coin` was done in the vault and did not win
+            # (the empty chest is then the final observation, which no step acts on)
+            empty = any(EMPTY_CHEST in o for o in obs[t + 1:]) or any(
+                " ".join((s.action or "").lower().split()) == "take coin" for s in steps[t + 1:])
+            if traj.won:
+                episode = f"{CUE_RULE} Here the {right} door was right; then take the coin."
+                summary = f"right door {right} at step {t}; won"
+            elif empty:
+                episode = (f"{CUE_RULE} Here the {right} door was right: the coin was already gone this time, bad "
+                           "luck rather than a wrong choice.")
+                summary = f"right door {right} at step {t}; robbed (the chest was empty)"
+            else:
+                episode = f"{CUE_RULE} Here the {right} door was right; in the vault, take the coin at once."
+                skills[t + 1] = "Take the coin now: it is in the chest."
+                summary = f"right door {right} at step {t}; lost in the vault without taking the coin"
+        chosen = dict(sorted(skills.items())[: self.max_step_skills]) if self.max_step_skills else {}
+        return Analysis(episode_summary=f"privileged footprints hindsight: {summary}", episode_skill=episode,
+                        step_skills=chosen)
