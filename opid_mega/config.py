@@ -146,6 +146,8 @@ class AnalyzerConfig:
     # OpenAI-compatible endpoint. Empty with backend=llm: the trainer launches an SGLang server for `model`
     # (opid_mega.rollout.sglang_engine's launcher, endpoint <url>/v1) and shuts it down at the end of the run.
     base_url: str = ""
+    # The analyzer model: the served model's name, or for a launched server an HF directory, a hub name, or one of
+    # the built-in offline models (opid_mega.models.BUILTIN_MODELS, e.g. smollm2-135m: built once and cached).
     model: str = ""
     # Extra `python -m sglang.launch_server` arguments for that launched analyzer server, passed through verbatim.
     sglang_args: list = field(default_factory=list)

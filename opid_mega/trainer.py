@@ -24,6 +24,7 @@ the uninterrupted one.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -40,6 +41,7 @@ import torch
 
 from opid_mega import algo
 from opid_mega.config import Config
+from opid_mega.models import BUILTIN_MODELS
 from opid_mega.skills.injection import inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
@@ -157,6 +159,11 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
         return build_plugin(a), None
     from opid_mega.skills.llm_analyzer import LLMAnalyzer
 
+    if not a.base_url and a.model in BUILTIN_MODELS:  # e.g. smollm2-135m: the offline model, built once and cached
+        from opid_mega.models import prepare_model
+
+        a = dataclasses.replace(a, model=prepare_model(a.model))
+        cfg = dataclasses.replace(cfg, analyzer=a)
     server = None if a.base_url else launch(cfg, run_dir)
     base_url = a.base_url or server.url + "/v1"
     try:

@@ -393,8 +393,9 @@ def _paper_config_without_placement(path):
 
     with open(path) as f:
         raw = yaml.safe_load(f)
-    return "deploy" not in raw and raw.get("analyzer", {}).get("backend") == "llm" and not raw.get("analyzer", {}).get(
-        "base_url")
+    gpu = raw.get("parallel", {}).get("backend") != "gloo" and "base" not in raw  # the CPU presets build on a base
+    return gpu and "deploy" not in raw and raw.get("analyzer", {}).get("backend") == "llm" and not raw.get(
+        "analyzer", {}).get("base_url")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))

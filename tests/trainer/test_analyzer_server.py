@@ -138,3 +138,22 @@ def test_launches_a_server_for_the_model_and_shuts_it_down(tiny_cfg, tmp_path):
     assert server._proc.poll() is not None  # the launched server is gone
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pid, 0)
+
+
+def test_a_builtin_model_name_launches_the_prepared_offline_model(tiny_cfg, tmp_path, monkeypatch):
+    """analyzer.model=smollm2-135m (a built-in): the launched server and the client get the prepared directory."""
+    import opid_mega.models as models
+
+    built = []
+    monkeypatch.setattr(models, "prepare_model", lambda name, *a, **k: built.append(name) or f"/cache/{name}")
+    seen = {}
+
+    def launch(c, d):
+        seen["model"] = c.analyzer.model
+        raise RuntimeError("stop here")
+
+    cfg = tiny_cfg("analyzer.backend=llm", "analyzer.base_url=", "analyzer.model=smollm2-135m")
+    with pytest.raises(RuntimeError, match="stop here"):
+        build_analyzer(cfg, None, tmp_path, launch=launch)
+    assert built == ["smollm2-135m"] and seen == {"model": "/cache/smollm2-135m"}
+    assert cfg.analyzer.model == "smollm2-135m"  # the caller's config is not changed
