@@ -87,7 +87,7 @@ def expert_skill_routes(cfg: Config, episode: dict) -> list[dict]:
     from opid_mega.skills import RuleAnalyzer
 
     n = len(episode["prompts"])
-    analysis = RuleAnalyzer(max_step_skills=cfg.analyzer.max_step_skills).analyze_one(episode["view"])
+    analysis = RuleAnalyzer(max_step_skills=cfg.analyzer.max_step_skills).analyze([episode["view"]])[0]
     if analysis is None:
         return [{} for _ in range(n)]
     return algo.route_skills(n, analysis.step_skills, analysis.episode_skill)

@@ -27,3 +27,15 @@ class Analyzer(abc.ABC):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class PerTrajectoryAnalyzer(Analyzer):
+    """An analyzer that reads each trajectory on its own (the rule analyzers): `analyze_one` per trajectory, None for
+    one without steps."""
+
+    def analyze(self, trajs: list[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
+        return [self.analyze_one(t) if t.step_views() else None for t in trajs]
+
+    @abc.abstractmethod
+    def analyze_one(self, traj: TrajectoryView) -> Optional[Analysis]:
+        """The analysis of one trajectory with at least one step (None: no skill signal)."""

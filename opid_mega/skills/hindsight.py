@@ -27,26 +27,21 @@ from __future__ import annotations
 from typing import Optional
 
 from opid_mega.envs.footprints_env import CLOSET_ENTRY_RE, EMPTY_CHEST, REVEAL_RE, VAULT_ENTRY_RE
-from opid_mega.skills.base import Analyzer
+from opid_mega.skills.base import PerTrajectoryAnalyzer
 from opid_mega.skills.types import Analysis, TrajectoryView
 
 CUE_RULE = "In the hall, open the door the fresh footprints lead to; the rug's colour means nothing."
 
 
-class FootprintsHindsightAnalyzer(Analyzer):
+class FootprintsHindsightAnalyzer(PerTrajectoryAnalyzer):
     def __init__(self, max_step_skills: int = 5):
         if isinstance(max_step_skills, bool) or not isinstance(max_step_skills, int) or max_step_skills < 0:
             raise ValueError(f"FootprintsHindsightAnalyzer: max_step_skills must be an int >= 0, got "
                              f"{max_step_skills!r}")
         self.max_step_skills = max_step_skills
 
-    def analyze(self, trajs: list[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
-        return [self.analyze_one(t) for t in trajs]
-
     def analyze_one(self, traj: TrajectoryView) -> Optional[Analysis]:
         steps = traj.step_views()
-        if not steps:
-            return None
         obs = [s.raw_obs or "" for s in steps]
         door = None  # (door step, opened colour, right colour, through the right door)
         for t in range(len(steps) - 1):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from opid_mega.skills.base import Analyzer
+from opid_mega.skills.base import PerTrajectoryAnalyzer
 from opid_mega.skills.types import Analysis, StepView, TrajectoryView
 
 
@@ -23,20 +23,15 @@ def _norm(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-class RuleAnalyzer(Analyzer):
+class RuleAnalyzer(PerTrajectoryAnalyzer):
     def __init__(self, max_step_skills: int = 5, max_workflow_actions: int = 30):
         if max_step_skills < 0:
             raise ValueError(f"RuleAnalyzer: max_step_skills={max_step_skills} must be >= 0")
         self.max_step_skills = max_step_skills
         self.max_workflow_actions = max_workflow_actions
 
-    def analyze(self, trajs: list[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
-        return [self.analyze_one(t) for t in trajs]
-
     def analyze_one(self, traj: TrajectoryView) -> Optional[Analysis]:
         steps = traj.step_views()
-        if not steps:
-            return None
         return self._success(traj, steps) if traj.won else self._failure(traj, steps)
 
     @staticmethod
