@@ -230,6 +230,10 @@ class AlgoConfig:
     kl_coef: float = 0.01
     kl_kind: Literal["low_var_kl", "k1", "k2", "mse"] = "low_var_kl"
     entropy_coef: float = 0.001
+    # Whose analysis a trajectory's skills come from: own = its own (OPID); shuffled = the mechanism experiment's
+    # negative control: every trajectory of task i gets the analysis of a trajectory of another task of the same batch
+    # (the batch's tasks in a seeded random cycle), so the skills are fluent but carry no hindsight about this episode.
+    skill_source: Literal["own", "shuffled"] = "own"
 
     # The mode decides routing and which skill types carry signal (docs/algorithm.md §4 "Critical-first routing"); routing is
     # also gated by λ as in the reference: lambda_step=0 routes like mode=no_step_skill, lambda_episode=0 like
@@ -305,6 +309,12 @@ class SftConfig:
     # else the episode skill), placed faithful or late at random (seeded), so the warm start learns that sections
     # are informative. 0: no sections (and no change to the warm start's cache key).
     skill_share: float = 0.0
+    # The skill-reading warm start of the mechanism experiment (docs/experiments.md): at the step where the env offers
+    # its one critical decision (env.decision_options(), e.g. the footprints hall's five doors) the target is NOT the
+    # expert's action: without a section, each option once (a uniformly random choice: blind to the cue); with a
+    # section naming option X (the analyzer's decision_sections(X, options): every skill format, faithful or late
+    # placement at random), X. The env and the analyzer (a plug-in's) must provide those two methods.
+    blind_decision: bool = False
 
 
 @dataclass
@@ -411,6 +421,9 @@ class LoggingConfig:
     wandb_entity: str = ""  # team or user (empty: wandb's default entity)
     wandb_tags: list = field(default_factory=list)  # e.g. [opid, qwen3-8b]
     wandb_mode: Literal["", "online", "offline", "disabled"] = ""  # empty: WANDB_MODE, else online
+    # <run_dir>/advantages.jsonl: per step-sample and iteration the task, group, score, A_out, routed skill kinds,
+    # response token ids and Δ per token of each routed kind (the mechanism experiment's λ rule and Δ-sign checks)
+    dump_advantages: bool = False
 
 
 @dataclass

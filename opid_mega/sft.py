@@ -42,7 +42,8 @@ def end_of_turn_id(tokenizer) -> int:
 def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[str] = None) -> list[dict]:
     """Play the expert walkthrough of every task in the split's pool. One dict per task: `task` (its id),
     `prompts` (the rollout's prompt text of each step: same template and history window), `actions`, `responses`
-    (the target response text of each step) and `view` (the analyzer's TrajectoryView of the expert episode)."""
+    (the target response text of each step), `decisions` (per step the env's decision_options() before it, [] for an
+    env without them) and `view` (the analyzer's TrajectoryView of the expert episode)."""
     from opid_mega.envs import format_response
     from opid_mega.skills.types import StepView, TrajectoryView
     from opid_mega.envs import env_factory
@@ -58,7 +59,7 @@ def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[st
         actions = env.walkthrough()
         if not actions:
             raise RuntimeError(f"opid-sft: env {cfg.env.name} has no walkthrough for task {task.id}")
-        hist, ep = [], {"task": str(task.id), "prompts": [], "actions": [], "responses": []}
+        hist, ep = [], {"task": str(task.id), "prompts": [], "actions": [], "responses": [], "decisions": []}
         steps, won = [], False
         for action in actions:
             prompt = env.build_prompt(hist, obs, cfg.env.history_length)
@@ -66,6 +67,7 @@ def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[st
             ep["prompts"].append(prompt)
             ep["actions"].append(action)
             ep["responses"].append(response)
+            ep["decisions"].append(list(env.decision_options()) if hasattr(env, "decision_options") else [])
             new_obs, reward, done, info = env.step(action)
             steps.append(StepView(raw, response, float(reward), action, True))
             won = bool(info.get("won", won))
@@ -79,15 +81,26 @@ def expert_episodes(cfg: Config, think: Optional[str] = None, split: Optional[st
     return out
 
 
-def expert_skill_routes(cfg: Config, episode: dict) -> list[dict]:
-    """One {kind: skill} per step of an expert episode: the RuleAnalyzer's analysis of that episode (K =
-    analyzer.max_step_skills), routed critical-first (algo.route_skills: the step skill at a critical step, else the
-    episode skill)."""
-    from opid_mega import algo
+def section_analyzer(cfg: Config):
+    """The analyzer that writes the warm start's sections: a plug-in analyzer.backend ("package.module:Class", e.g.
+    the footprints hindsight analyzer) when the config names one, else the RuleAnalyzer (K = analyzer.max_step_skills;
+    an LLM analyzer is never called for the warm start)."""
+    from opid_mega.plugins import build_analyzer, is_import_path
     from opid_mega.skills import RuleAnalyzer
 
+    if is_import_path(cfg.analyzer.backend):
+        return build_analyzer(cfg.analyzer)
+    return RuleAnalyzer(max_step_skills=cfg.analyzer.max_step_skills)
+
+
+def expert_skill_routes(cfg: Config, episode: dict, analyzer=None) -> list[dict]:
+    """One {kind: skill} per step of an expert episode: the section analyzer's analysis of that episode
+    (`section_analyzer`), routed critical-first (algo.route_skills: the step skill at a critical step, else the
+    episode skill)."""
+    from opid_mega import algo
+
     n = len(episode["prompts"])
-    analysis = RuleAnalyzer(max_step_skills=cfg.analyzer.max_step_skills).analyze([episode["view"]])[0]
+    analysis = (analyzer or section_analyzer(cfg)).analyze([episode["view"]])[0]
     if analysis is None:
         return [{} for _ in range(n)]
     return algo.route_skills(n, analysis.step_skills, analysis.episode_skill)
@@ -101,9 +114,15 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
     themselves, with a prompt that carries the skill section `expert_skill_routes` gives that step, inserted with the
     faithful or the late placement (a seeded coin flip per sample, so the warm start reads sections in both places).
     The target response is the expert's in both copies: every no-skill sample stays, and a pair differs only by the
-    section, whose information the model can then learn to use."""
+    section, whose information the model can then learn to use.
+
+    sft.blind_decision: a step whose `decisions` list options (the env's one critical decision) gives, instead of
+    the expert's samples, one sample per option X without a section (target X: the warm start's choice there is
+    uniform, blind to any cue) and one per option X with a section naming X (the section analyzer's
+    decision_sections(X, options, rng), one of its formats at random, placement at random; target X)."""
     import random
 
+    from opid_mega.envs import format_response
     from opid_mega.rollout.agent_loop import PromptTokenizer
     from opid_mega.skills.injection import PLACEMENTS, inject_skills
 
@@ -114,9 +133,22 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
     rng = random.Random(cfg.train.seed * 1_000_003 + 17)
     end = end_of_turn_id(tokenizer)
     out = []
+    think = cfg.sft.think if think is None else think
+    analyzer = section_analyzer(cfg) if share > 0 or cfg.sft.blind_decision else None
+    if cfg.sft.blind_decision and not hasattr(analyzer, "decision_sections"):
+        raise ValueError(f"opid-sft: sft.blind_decision needs an analyzer with decision_sections(choice, options, "
+                         f"rng); analyzer.backend {cfg.analyzer.backend!r} has none")
     for ep in expert_episodes(cfg, think, split):
-        routes = expert_skill_routes(cfg, ep) if share > 0 else [{} for _ in ep["prompts"]]
-        for prompt, response, route in zip(ep["prompts"], ep["responses"], routes):
+        routes = expert_skill_routes(cfg, ep, analyzer) if share > 0 else [{} for _ in ep["prompts"]]
+        for prompt, response, route, options in zip(ep["prompts"], ep["responses"], routes, ep["decisions"]):
+            if cfg.sft.blind_decision and options:
+                for choice in options:
+                    resp = prompts.encode_text(format_response(choice, think.format(action=choice))) + [end]
+                    out.append((prompts.encode(prompt)[0], resp))
+                    section = rng.choice(analyzer.decision_sections(choice, options, rng))
+                    out.append((prompts.encode(inject_skills(prompt, section, rng.choice(sorted(PLACEMENTS))))[0],
+                                resp))
+                continue
             resp = prompts.encode_text(response) + [end]
             out.append((prompts.encode(prompt)[0], resp))
             if share > 0 and route and rng.random() < share:
@@ -161,12 +193,19 @@ def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
     only when their text differs from the one before env.template existed (PROMPTS_BEFORE_TEMPLATES)."""
     from opid_mega.envs.prompts import template_fingerprint
 
+    from opid_mega.plugins import is_import_path, source_fingerprint
+
     opts = dict(opts)
     if opts.get("skill_share"):
         opts["skill_max_step_skills"] = cfg.analyzer.max_step_skills
     else:
         opts.pop("skill_share", None)
-    from opid_mega.plugins import is_import_path, source_fingerprint
+    if not opts.get("blind_decision"):
+        opts.pop("blind_decision", None)
+    if (opts.get("skill_share") or opts.get("blind_decision")) and is_import_path(cfg.analyzer.backend):
+        # a plug-in analyzer writes the sections: its name, options and source
+        opts["section_analyzer"] = [cfg.analyzer.backend, cfg.analyzer.options,
+                                    source_fingerprint(cfg.analyzer.backend)]
 
     # a plug-in env (env.name "package.module:Class") renders its own prompts: the hash of its module's source
     prompts = source_fingerprint(cfg.env.name) if is_import_path(cfg.env.name) \

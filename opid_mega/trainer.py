@@ -398,6 +398,50 @@ def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
     return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
 
 
+def shuffle_analyses(groups: list, analyses: list, seed: int) -> list:
+    """The negative control's analyses (algo.skill_source=shuffled), one per trajectory: trajectory j of group g
+    gets the analysis of trajectory j (modulo that group's size) of the group after g in a seeded random cycle of
+    the batch's groups, so no trajectory keeps an analysis of its own task and every analysis stays one an analyzer
+    wrote for a trajectory of this batch. A batch of a single group has no other task: no analyses (all None)."""
+    order = list(dict.fromkeys(groups))
+    if len(order) < 2:
+        return [None] * len(analyses)
+    random.Random(seed).shuffle(order)
+    donor_of = {g: order[(k + 1) % len(order)] for k, g in enumerate(order)}
+    by_group: dict = {}
+    for g, a in zip(groups, analyses):
+        by_group.setdefault(g, []).append(a)
+    taken: dict = {}
+    out = []
+    for g in groups:
+        donors = by_group[donor_of[g]]
+        out.append(donors[taken.get(g, 0) % len(donors)])
+        taken[g] = taken.get(g, 0) + 1
+    return out
+
+
+def outcome_info_means(trajs: list, prefix: str) -> dict:
+    """{prefix/key: share of trajectories whose last value of the env's info key was truthy} for every key of the
+    trajectories' outcome_info (the env's `info_metrics`; a trajectory without the key counts as False)."""
+    keys = sorted({k for t in trajs for k in t.outcome_info})
+    return {f"{prefix}/{k}": mean(bool(t.outcome_info.get(k)) for t in trajs) for k in keys} if trajs else {}
+
+
+def advantage_records(it: int, samples: list, trajs: list, scored: list, adv) -> list:
+    """logging.dump_advantages: one JSON-able record per step-sample of an iteration (task, group, score, A_out, the
+    skill kinds it was scored with, response token ids and Δ = skill − original log-prob per token of each kind)."""
+    out = []
+    for k, ((ti, si, s), r) in enumerate(zip(samples, scored)):
+        t = trajs[ti]
+        out.append({"iteration": it, "sample": f"{it}/{t.task_id}/{ti}/s{si}", "task": t.task_id,
+                    "group": int(t.group_id), "score": float(t.score), "won": bool(t.won), "step": si,
+                    "action": s.action, "valid": bool(s.valid), "a_out": round(float(adv.a_out[k]), 6),
+                    "kinds": sorted(r.skill), "response_ids": [int(x) for x in s.response_ids],
+                    "delta": {kind: [round(float(x), 5) for x in (r.skill[kind].double() - r.orig.double())]
+                              for kind in sorted(r.skill)}})
+    return out
+
+
 def skill_key(task) -> str:
     """The skill bank's key of a task: the same string as `Trajectory.task_id` of its rollouts (the AgentLoop sets
     task_id = str(task.id)), so a task's rollouts find the skill of that task's own latest analysis."""
@@ -656,7 +700,10 @@ class Trainer:
         with timer("analysis_wait"):
             analyses = broadcast(lambda: self._collect(job, views, it))
 
-        # 3. routing: one {kind: skill} per step-sample
+        # 3. routing: one {kind: skill} per step-sample (algo.skill_source=shuffled: the negative control's analyses of
+        # other tasks)
+        if cfg.algo.skill_source == "shuffled":
+            analyses = shuffle_analyses([t.group_id for t in trajs], analyses, seed=cfg.train.seed * 65_537 + it)
         routes = []
         for t, an in zip(trajs, analyses):
             if an is None:
@@ -697,6 +744,9 @@ class Trainer:
         invalid = np.fromiter((not s.valid for _, _, s in samples), bool, count=len(samples))
         groups = [trajs[ti].group_id for ti, _, _ in samples]
         adv = compute_advantages(cfg, scored, rewards, invalid, groups)
+        if cfg.logging.dump_advantages and self.rank0:
+            with open(self.run_dir / "advantages.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in advantage_records(it, samples, trajs, scored, adv))
 
         # 6. PPO update on the original context (mini-batches packed by the C++ batch builder)
         with timer("update"):
@@ -729,6 +779,7 @@ class Trainer:
             "train/score": mean(t.score for t in trajs),
             "train/episode_length": mean(len(t.steps) for t in trajs),
             "train/invalid_rate": float(invalid.mean()),
+            **outcome_info_means(trajs, "train"),
             "train/step_samples": len(samples),
             "rollout/trajectories": len(batch.trajectories),
             "rollout/env_errors": sum(t.env_error for t in batch.trajectories),
@@ -841,7 +892,8 @@ class Trainer:
         with no analyzer, is replayed without a skill). No task ever gets another task's skill."""
         cfg, seed = self.cfg, self.cfg.train.seed * 100_003 + 77_777 + it
         trajs = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed).trajectories
-        out = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs)}
+        out = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs),
+               **outcome_info_means(trajs, "eval")}
         if (cfg.eval.with_skills or cfg.algo.mode == "skill_grpo") and self.analyzer is not None:
             skills = self.eval_skills(trajs, it)
             batch = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed, skills=skills)

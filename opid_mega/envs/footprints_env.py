@@ -133,6 +133,7 @@ class FootprintsEnv(Env):
     default_max_steps = 5  # the largest step budget (a game with a corridor: 4 expert steps + 1)
     default_success_reward = 10.0
     noop_action = ""  # never admissible: "Nothing happens."
+    info_metrics = ("first_door_correct",)  # reported as train/ and eval/first_door_correct (None counts as False)
 
     def __init__(self, pool_size=None, max_steps: Optional[int] = None, success_reward: Optional[float] = None,
                  template: str = "reference"):
@@ -166,6 +167,13 @@ class FootprintsEnv(Env):
 
     def walkthrough(self) -> Optional[list]:
         return None if self._game is None else self._game.walkthrough
+
+    def decision_options(self) -> list:
+        """The actions of the game's one critical decision while the agent faces it (the five doors, in the hall),
+        else [] (opid-sft's sft.blind_decision)."""
+        if self._game is None or self._room != "hall":
+            return []
+        return [f"open {c} door" for c in self._game.doors]
 
     # ---- text ---------------------------------------------------------------------------------------------------
     def _describe(self, room: str) -> str:

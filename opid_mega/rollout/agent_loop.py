@@ -383,6 +383,9 @@ class AgentLoop:
                 lv.traj.steps.append(sample)
                 lv.traj.score += float(reward)
                 lv.traj.won = bool(info.get("won", lv.traj.won))
+                for key in getattr(lv.env, "info_metrics", ()):
+                    if key in info:
+                        lv.traj.outcome_info[key] = info[key]
                 lv.history.append((lv.obs, executed))
                 lv.obs = obs
                 lv.raw = info.get("raw_obs", obs)

@@ -68,6 +68,9 @@ class Trajectory:
     # the rollout's deadline (rollout.deadline_s) passed before the episode ended: left out like an env error,
     # counted in rollout/deadline_trajectories
     deadline_failure: bool = False
+    # the last value of each info key the env declares in `info_metrics` (footprints: first_door_correct); the
+    # trainer reports their means (train/<key>, eval/<key>)
+    outcome_info: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -33,12 +33,44 @@ from opid_mega.skills.types import Analysis, TrajectoryView
 CUE_RULE = "In the hall, open the door the fresh footprints lead to; the rug's colour means nothing."
 
 
+def wrong_door_step_skill(right: str, opened: str) -> str:
+    return f"Open the {right} door instead of the {opened} door: the fresh footprints lead to the {right} door."
+
+
+def right_door_step_skill(right: str) -> str:
+    return f"Open the {right} door: the fresh footprints lead to it, and it is the right door."
+
+
+def wrong_door_episode_skill(right: str, opened: str) -> str:
+    return (f"{CUE_RULE} Here the footprints lead to the {right} door; the {opened} door led into a locked closet "
+            "and lost the game.")
+
+
+def _door_colour(action: str) -> Optional[str]:
+    words = str(action).split()
+    return words[1] if len(words) == 3 and words[0] == "open" and words[2] == "door" else None
+
+
 class FootprintsHindsightAnalyzer(PerTrajectoryAnalyzer):
     def __init__(self, max_step_skills: int = 5):
         if isinstance(max_step_skills, bool) or not isinstance(max_step_skills, int) or max_step_skills < 0:
             raise ValueError(f"FootprintsHindsightAnalyzer: max_step_skills must be an int >= 0, got "
                              f"{max_step_skills!r}")
         self.max_step_skills = max_step_skills
+
+    def decision_sections(self, choice: str, options: list, rng) -> list:
+        """opid-sft's sft.blind_decision: the skills this analyzer writes that name `choice` (an action
+        "open <colour> door" out of `options`) as the door to open, one route {kind: skill} per format: the step
+        skill after a wrong door W (a random other option), the step skill after the right door, and the episode
+        skill after a wrong door."""
+        colour = _door_colour(choice)
+        others = [_door_colour(o) for o in options if o != choice]
+        if colour is None or not others or any(o is None for o in others):
+            raise ValueError(f"FootprintsHindsightAnalyzer.decision_sections: {choice!r} / {options!r} are not "
+                             "'open <colour> door' actions")
+        wrong = rng.choice(others)
+        return [{"step": wrong_door_step_skill(colour, wrong)}, {"step": right_door_step_skill(colour)},
+                {"episode": wrong_door_episode_skill(colour, wrong)}]
 
     def analyze_one(self, traj: TrajectoryView) -> Optional[Analysis]:
         steps = traj.step_views()
@@ -60,13 +92,11 @@ class FootprintsHindsightAnalyzer(PerTrajectoryAnalyzer):
         t, opened, right, correct = door
         skills: dict[int, str] = {}
         if not correct:
-            skills[t] = (f"Open the {right} door instead of the {opened} door: the fresh footprints lead to the "
-                         f"{right} door.")
-            episode = (f"{CUE_RULE} Here the footprints lead to the {right} door; the {opened} door led into a "
-                       "locked closet and lost the game.")
+            skills[t] = wrong_door_step_skill(right, opened)
+            episode = wrong_door_episode_skill(right, opened)
             summary = f"wrong door {opened} at step {t} (right: {right}, from the closet wall); lost"
         else:
-            skills[t] = f"Open the {right} door: the fresh footprints lead to it, and it is the right door."
+            skills[t] = right_door_step_skill(right)
             # the coin was gone: the chest was seen empty, or `take coin` was done in the vault and did not win
             # (the empty chest is then the final observation, which no step acts on)
             empty = any(EMPTY_CHEST in o for o in obs[t + 1:]) or any(

@@ -1,0 +1,133 @@
+"""The mechanism experiment's pieces (tools/mechanism.py, the negative control's analysis shuffle, the
+skill-reading warm start's samples, the env's info metrics), with hand-worked expected values."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import mechanism  # noqa: E402
+
+from opid_mega.trainer import outcome_info_means, shuffle_analyses  # noqa: E402
+
+
+def test_round_down_to_one_significant_figure():
+    assert mechanism.round_down_1sig(0.372) == 0.3
+    assert mechanism.round_down_1sig(0.0897) == 0.08
+    assert mechanism.round_down_1sig(3.9) == 3.0
+    assert mechanism.round_down_1sig(0.3) == 0.3  # exact values are not pushed one digit down by float error
+    with pytest.raises(ValueError, match="cannot round"):
+        mechanism.round_down_1sig(0.0)
+
+
+def _rec(it, group, score, a_out, deltas):
+    return {"iteration": it, "group": group, "score": score, "a_out": a_out,
+            "kinds": ["step"] if deltas else [], "delta": {"step": deltas} if deltas else {}}
+
+
+def test_lambda_rule_hand_worked():
+    # group (1, 0): scores 10, 0 -> mixed, |A_out| 1.0, 0.5; group (1, 1): both 10 -> a tie, left out of the median
+    # group (2, 0): scores 0, 10, 10 -> mixed, |A_out| 0.25, 0.75, 2.0. Median of {1, .5, .25, .75, 2} = 0.75.
+    # routed |Δ| tokens: 0.1 0.2 ... 2.0 (20 values): nearest-rank p95 = ceil(19) -> the 19th = 1.9.
+    deltas = [round(0.1 * k, 1) for k in range(1, 21)]
+    recs = [_rec(1, 0, 10, 1.0, [-d for d in deltas[:10]]), _rec(1, 0, 0, -0.5, deltas[10:]),
+            _rec(1, 1, 10, 9.0, []), _rec(1, 1, 10, 9.0, []),
+            _rec(2, 0, 0, -0.25, []), _rec(2, 0, 10, 0.75, []), _rec(2, 0, 10, 2.0, [])]
+    r = mechanism.lambda_rule(recs)
+    assert r["median_abs_a_out_mixed"] == 0.75
+    assert r["p95_abs_delta_routed"] == 1.9
+    assert r["lambda"] == 0.3  # 0.75 / 1.9 = 0.394... rounded down
+    assert (r["groups"], r["mixed_groups"], r["routed_tokens"]) == (3, 2, 20)
+    with pytest.raises(ValueError, match="mixed-group"):
+        mechanism.lambda_rule([_rec(1, 0, 10, 0.0, [0.5]), _rec(1, 0, 10, 0.0, [])])
+
+
+def test_shuffled_analyses_never_keep_their_own_task():
+    groups = [0, 0, 1, 1, 2, 2, 3, 3]
+    analyses = [f"a{g}.{k}" for g, k in zip(groups, [0, 1] * 4)]
+    for seed in range(20):
+        out = shuffle_analyses(groups, analyses, seed)
+        donors = {}
+        for g, a in zip(groups, out):
+            donor = int(a[1])
+            assert donor != g
+            donors.setdefault(g, set()).add(donor)
+        assert all(len(d) == 1 for d in donors.values())  # one donor task per task
+        assert sorted(d.pop() for d in donors.values()) == [0, 1, 2, 3]  # a cycle: every task donates once
+        # trajectory j of a group takes trajectory j of its donor
+        assert [a[-1] for a in out] == ["0", "1"] * 4
+    # uneven groups: indices wrap around the donor's size; a lone group has no other task
+    out = shuffle_analyses([0, 0, 0, 1], ["x0", "x1", "x2", "y0"], 3)
+    assert out == ["y0", "y0", "y0", "x0"]
+    assert shuffle_analyses([5, 5], ["a", "b"], 1) == [None, None]
+
+
+class _T:
+    def __init__(self, info):
+        self.outcome_info = info
+
+
+def test_outcome_info_means_counts_missing_as_false():
+    trajs = [_T({"first_door_correct": True}), _T({"first_door_correct": False}), _T({"first_door_correct": None}),
+             _T({})]
+    assert outcome_info_means(trajs, "eval") == {"eval/first_door_correct": 0.25}
+    assert outcome_info_means([], "eval") == {}
+
+
+def test_blind_decision_samples_of_the_warm_start():
+    """At the hall: each of the five doors once without a section, and once with a section naming it; elsewhere the
+    expert's action (with and without its section)."""
+    from opid_mega.config import load_config
+    from opid_mega.envs.footprints_env import CUE_RE
+    from opid_mega.sft import expert_episodes, walkthrough_samples
+
+    cfg = load_config(str(mechanism.ROOT / mechanism.CONFIG), ["env.options.pool_size.train=2"])
+
+    class Tok:  # text in, text out: the samples' prompts and targets stay readable
+        def encode(self, text, add_special_tokens=False):
+            return [text]
+
+    import opid_mega.rollout.agent_loop as al
+
+    class PT:
+        def __init__(self, tok, enable_thinking=True):
+            pass
+
+        def encode(self, prompt):
+            return [prompt], None
+
+        def encode_text(self, text):
+            return [text]
+
+    orig = al.PromptTokenizer
+    al.PromptTokenizer = PT
+    try:
+        import opid_mega.sft as sft
+
+        end = sft.end_of_turn_id
+        sft.end_of_turn_id = lambda tok: "<END>"
+        try:
+            samples = walkthrough_samples(cfg, Tok())
+        finally:
+            sft.end_of_turn_id = end
+    finally:
+        al.PromptTokenizer = orig
+    episodes = expert_episodes(cfg)
+    for ep in episodes:
+        hall = next(k for k, d in enumerate(ep["decisions"]) if d)
+        assert ep["decisions"][hall] and all(not d for k, d in enumerate(ep["decisions"]) if k != hall)
+        prompt = ep["prompts"][hall]
+        hall_obs = ep["view"].steps[hall].raw_obs  # this game's hall (rug, door order, cue)
+        at_hall = [(p[0], r[0]) for p, r in samples if hall_obs in p[0] and "<action>open " in r[0]]
+        plain = [r for p, r in at_hall if p == prompt]
+        with_section = [(p, r) for p, r in at_hall if p != prompt]
+        doors = sorted(ep["decisions"][hall])
+        assert sorted(r.split("<action>")[1].split("</action>")[0] for r in plain) == doors
+        assert len(with_section) == 5
+        for p, r in with_section:
+            colour = r.split("<action>")[1].split()[1]
+            assert f"Open the {colour} door" in p or f"lead to the {colour} door; the" in p
+            assert len(CUE_RE.findall(p)) == 1  # the cue is in the observation, never changed
+        # the expert's door is one of the five targets (twice: plain and with a section), not an extra sample
+        assert sum(ep["actions"][hall] in r for _, r in at_hall) == 2
