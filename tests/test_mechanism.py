@@ -131,3 +131,82 @@ def test_blind_decision_samples_of_the_warm_start():
             assert len(CUE_RE.findall(p)) == 1  # the cue is in the observation, never changed
         # the expert's door is one of the five targets (twice: plain and with a section), not an extra sample
         assert sum(ep["actions"][hall] in r for _, r in at_hall) == 2
+
+
+def test_paired_tests_hand_worked():
+    # diffs 0.1, 0.2, 0.3: mean 0.2, sd 0.1, t = 0.2 / (0.1 / sqrt 3) = 2 sqrt 3 = 3.4641; with 2 degrees of freedom
+    # the one-sided p has the closed form (1 - t / sqrt(t^2 + 2)) / 2 = (1 - sqrt(12 / 14)) / 2 = 0.037088.
+    # Sign flips: of the 8 assignments only (+, +, +) reaches mean 0.2 (the next is (-, +, +): 0.1333): p = 1/8.
+    r = mechanism.paired_tests([0.1, 0.2, 0.3])
+    assert r["mean"] == pytest.approx(0.2) and r["sd"] == pytest.approx(0.1)
+    assert r["t"] == pytest.approx(3.464102, rel=1e-6)
+    assert r["p_t_one_sided"] == pytest.approx((1 - (12 / 14) ** 0.5) / 2, rel=1e-9)
+    assert r["p_signflip_one_sided"] == 0.125
+    # a negative mean: the one-sided p is large; flips of (-0.1, -0.2, +0.05): means >= -0.08333 are 7 of 8
+    r = mechanism.paired_tests([-0.1, -0.2, 0.05])
+    assert r["p_t_one_sided"] > 0.5 and r["p_signflip_one_sided"] == 7 / 8
+    assert mechanism.paired_tests([]) == {"n": 0, "diffs": []}
+
+
+def test_curve_in_rollouts_auc_and_first_reach():
+    records = [{"step": 5, "eval/success_rate": 0.2}, {"step": 10, "eval/success_rate": 0.4},
+               {"step": 15, "eval/success_rate": 0.3}, {"step": 3, "train/success_rate": 0.9}]
+    curve = mechanism.rollout_curve(0.1, records, 32)
+    assert curve == [(0, 0.1), (160, 0.2), (320, 0.4), (480, 0.3)]
+    # trapezoids: 160 x (0.15 + 0.30 + 0.35) = 128, over 480 rollouts
+    assert mechanism.ex.curve_auc(curve) == pytest.approx(128 / 480)
+    assert mechanism.first_reach(curve, 0.35) == 320
+    assert mechanism.first_reach(curve, 0.5) is None
+
+
+def test_tie_group_share_and_colour_tokens():
+    recs = [{"iteration": 1, "group": 0, "score": 10.0}, {"iteration": 1, "group": 0, "score": 10.0},
+            {"iteration": 1, "group": 1, "score": 10.0}, {"iteration": 1, "group": 1, "score": 0.0},
+            {"iteration": 2, "group": 0, "score": 0.0}]
+    assert mechanism.tie_group_share(recs) == pytest.approx(2 / 3)  # (1,0) and (2,0) tie, (1,1) does not
+    assert mechanism.tie_group_share([]) is None
+    pieces = ["<think>", "I", " will", " open", " yellow", " door", ".", "</think>", "<action>", "open", " yellow"]
+    assert mechanism.colour_token_positions(pieces, "yellow") == [4]  # the first mention only
+    assert mechanism.colour_token_positions(["open", " yel", "low", " door"], "yellow") == [1, 2]
+    assert mechanism.colour_token_positions(["open", " door"], "red") == []
+
+
+def test_door_delta_sign_correctness():
+    from opid_mega.envs.footprints_env import make_game
+
+    game = make_game(7)
+    wrong = next(c for c in game.doors if c != game.right)
+    pieces = {1: "open", 2: f" {game.right}", 3: f" {wrong}", 4: " door"}
+
+    def rec(colour_id, colour, delta, kinds=("step",)):
+        return {"task": "footprints/train-7", "action": f"open {colour} door", "kinds": list(kinds),
+                "response_ids": [1, colour_id, 4], "delta": {k: [9.0, delta, -9.0] for k in kinds}}
+
+    recs = [rec(2, game.right, 0.5),  # right door, Δ > 0: correct
+            rec(3, wrong, 0.2),  # wrong door, Δ > 0: not
+            rec(3, wrong, -0.4),  # wrong door, Δ < 0: correct
+            rec(2, game.right, 0.5, kinds=()),  # not skill-routed: left out
+            {**rec(2, game.right, 0.5), "action": "go east"}]  # not a door step: left out
+    r = mechanism.door_delta_signs(recs, pieces.__getitem__)
+    assert r["routed_door_steps"] == 3 and r["sign_correct"] == pytest.approx(2 / 3)
+    assert r["right_door"] == {"n": 1, "mean_delta": 0.5}
+    assert r["wrong_door"]["n"] == 2 and r["wrong_door"]["mean_delta"] == pytest.approx(-0.1)
+
+
+def test_busy_processes_leaves_out_the_runs_own_tree():
+    import os
+    import subprocess
+    import sys as _sys
+
+    child = subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(30)  # torch"])
+    try:
+        import time
+
+        time.sleep(0.5)
+        mine = [b for b in mechanism.busy_processes(tree_root=os.getpid()) if b.startswith(f"{child.pid}:")]
+        assert mine == []  # the run's own processes do not count
+        others = [b for b in mechanism.busy_processes() if b.startswith(f"{child.pid}:")]
+        assert len(others) == 1  # seen from outside its tree it is another heavy process
+    finally:
+        child.kill()
+        child.wait()

@@ -5,10 +5,10 @@
     python tools/mechanism.py lambda   [--out DIR]        # λ from the rule: two warm-start batches, no update
     python tools/mechanism.py prereg   [--out DIR]        # writes docs/mechanism_prereg.json (commit it first)
     python tools/mechanism.py run      [--out DIR] [--arms a,b] [--seeds 1,2]   # the arms, gated by the prereg
+    python tools/mechanism.py report   [--out DIR]        # docs/mechanism_results.{json,md}, mechanism_curves.png
 
-Not built yet: the report (docs/mechanism_results.json, table, figure). The runs refuse any arm, seed, config
-file or override that docs/mechanism_prereg.json does not hold (the config file's sha256, the warm start's
-weights hash and λ are checked too). Every step's output is archived under DIR (default runs/mechanism): the
+The runs refuse any arm, seed, config file or override that docs/mechanism_prereg.json does not hold (the config
+file's sha256, the warm start's weights hash and λ are checked too) and watch the machine stays idle while they run. Every step's output is archived under DIR (default runs/mechanism): the
 warm start log, probe.json, the λ calibration run with its advantages.jsonl, one eval-only run per seed (the
 0-rollout point, shared by the arms of that seed) and runs/<arm>/seed<k>/.
 
@@ -59,6 +59,9 @@ SCHEDULE = ([(s, a) for s in (1, 2, 3) for a in ("grpo", "opid_rule", "opid_shuf
             + [(s, a) for s in (1, 2, 3) for a in ("opid_ref", "grpo_mean_norm")])
 PRECONDITIONS = {"no_skill_success": [0.08, 0.25], "door_accuracy_with_right_section_min": 0.8,
                  "delta_match_min": 0.5, "delta_mismatch_max": -1.0}
+# The door probe scores the first PROBE_GAMES held-out games (64 x 13 contexts x 5 doors: ~2 min on 2 cores; all
+# 256 took 7 min in the first probe); the no-skill success precondition uses all 256 (opid-eval).
+PROBE_GAMES = 64
 
 
 def sha256_file(path: Path) -> str:
@@ -154,7 +157,7 @@ def probe_doors(cfg, model_dir: str) -> dict:
     acc = {"no_section": [], "match": {}, "mismatch": {}}
     correct_with = {}
     games = 0
-    for ep in expert_episodes(cfg, split=cfg.env.eval_split):
+    for ep in expert_episodes(cfg, split=cfg.env.eval_split)[:PROBE_GAMES]:
         t = next((k for k, d in enumerate(ep["decisions"]) if d), None)
         if t is None:
             continue
@@ -300,6 +303,11 @@ def arm_overrides(arm: str, lam: float) -> list:
     return [o.replace("{lam}", repr(lam)) for o in ARMS[arm]]
 
 
+def _last_elapsed(run_dir: Path) -> Optional[float]:
+    lines = [ln for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return json.loads(lines[-1]).get("elapsed_s") if lines else None
+
+
 def cmd_prereg(out: Path) -> dict:
     probe = json.loads((out / "probe.json").read_text())
     lam = json.loads((out / "lambda_calibration" / "lambda.json").read_text())
@@ -352,8 +360,18 @@ def cmd_prereg(out: Path) -> dict:
                            "rate > 30% or KL > 0.1 by iteration 5 -> lr 1e-4 for every arm, restart).",
                            "If no arm moves held-out success by >= 0.1 (|mean paired final or AUC difference|), the "
                            "report says 'budget too small', not a verdict.",
-                           "The runs stop at the session's time limit; the pairs completed are reported, the "
-                           "missing ones named."],
+                           "The runs go in schedule order (interleaved by seed) and may span sessions (an interrupted "
+                           "run restarts from its beginning); the report lists the runs completed and names the "
+                           "missing ones."],
+        "lr_guard": {**LR_GUARD, "decided_on": "grpo seed 1, the first run of the schedule; tripped -> every arm "
+                                               "(GRPO seed 1 included, its first run archived) runs with train.lr "
+                                               "= the guard's lr"},
+        "measured_before_registration": {
+            "warm_start_wall_s": warm.get("wall_s"), "sft_epochs": cfg.sft.epochs,
+            "note": "the first probe's warm start (9 epochs, docs/experiments.md) failed every precondition; only the "
+                    "SFT epochs changed",
+            "lambda_calibration_elapsed_s": _last_elapsed(out / "lambda_calibration"),
+            "eval_only_seed1_s": json.loads((out / "eval0" / "seed1.json").read_text()).get("wall_s")},
         "idle_machine": "the runs are one opid-train subprocess at a time; the tool refuses to start while another "
                         "torch/opid process runs (tools/mechanism.py busy_processes) and records the load average "
                         "before each run",
@@ -363,9 +381,30 @@ def cmd_prereg(out: Path) -> dict:
     return prereg
 
 
-def busy_processes() -> list:
-    """Other heavy processes on this machine (python running torch / pytest / opid), by /proc scan."""
+def _ppid_map() -> dict:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                out[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def busy_processes(tree_root: Optional[int] = None) -> list:
+    """Other heavy processes on this machine (python running torch / pytest / opid / sglang), by /proc scan: every
+    such process except this one, its parent and, with tree_root, that process and all its descendants (the run)."""
     me = {os.getpid(), os.getppid()}
+    if tree_root is not None:
+        parents = _ppid_map()
+        mine = {tree_root}
+        grew = True
+        while grew:
+            new = {p for p, pp in parents.items() if pp in mine and p not in mine}
+            mine |= new
+            grew = bool(new)
+        me |= mine
     busy = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) in me:
@@ -377,6 +416,38 @@ def busy_processes() -> list:
         if "python" in cmd and any(k in cmd for k in ("pytest", "opid_mega", "opid-", "sglang", "torch")):
             busy.append(f"{d.name}: {cmd[:120]}")
     return busy
+
+
+class IdleMonitor:
+    """Samples, every `period` s while a run goes on, the load average and the heavy processes outside this process's
+    own tree (busy_processes(tree_root=this pid)); `record()` is written into the run's experiment_run.json."""
+
+    def __init__(self, period: float = 15.0):
+        import threading
+
+        self.period, self.samples, self.others, self.max_load1 = period, 0, [], 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.wait(self.period):
+            self.samples += 1
+            self.max_load1 = max(self.max_load1, os.getloadavg()[0])
+            for b in busy_processes(tree_root=os.getpid()):
+                if b not in self.others:
+                    self.others.append(b)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def record(self) -> dict:
+        return {"period_s": self.period, "samples": self.samples, "max_load1": round(self.max_load1, 2),
+                "other_heavy_processes_seen": self.others}
 
 
 def check_prereg(prereg: dict, arm: str, seed: int, warm: Path) -> list:
@@ -394,6 +465,25 @@ def check_prereg(prereg: dict, arm: str, seed: int, warm: Path) -> list:
         raise ex.ExperimentError(f"arm {arm}: this tool's overrides {arm_overrides(arm, prereg['lambda'])} differ "
                                  f"from the pre-registered {prereg['arms'][arm]}")
     return list(prereg["arms"][arm])
+
+
+LR_GUARD = {"by_iteration": 5, "invalid_rate_max": 0.3, "kl_max": 0.1, "lr": 1.0e-4}
+
+
+def lr_guard(records: Sequence[dict]) -> dict:
+    """The one change allowed after seeing data, decided on GRPO seed 1 alone: tripped when by iteration 5 the
+    training invalid-action rate exceeds 0.3 or the KL to the reference exceeds 0.1 (then every arm runs at lr 1e-4)."""
+    early = [r for r in records if 1 <= r["step"] <= LR_GUARD["by_iteration"]]
+    inv = max((float(r["train/invalid_rate"]) for r in early if r.get("train/invalid_rate") is not None), default=0.0)
+    kl = max((float(r["ppo/kl"]) for r in early if r.get("ppo/kl") is not None), default=0.0)
+    return {"max_invalid_rate": inv, "max_kl": kl, "iterations_seen": len(early),
+            "tripped": inv > LR_GUARD["invalid_rate_max"] or kl > LR_GUARD["kl_max"]}
+
+
+def guard_overrides(out: Path) -> list:
+    """The overrides the lr guard adds to every run (none unless GRPO seed 1 tripped it)."""
+    f = out / "lr_guard.json"
+    return [f"train.lr={LR_GUARD['lr']!r}"] if f.exists() and json.loads(f.read_text())["tripped"] else []
 
 
 def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -> None:
@@ -415,7 +505,9 @@ def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -
     iterations = cfg.train.iterations
     steps = ex.eval_steps(iterations, cfg.eval.interval, cfg.eval.before_training)
     for k, (seed, arm) in enumerate(todo, 1):
-        extra = check_prereg(prereg, arm, seed, warm)
+        if (seed, arm) != (1, "grpo") and not (out / "lr_guard.json").exists():
+            raise ex.ExperimentError("GRPO seed 1 decides the lr guard and runs first: run it before any other arm")
+        extra = check_prereg(prereg, arm, seed, warm) + guard_overrides(out)
         eval_only(out, warm, seed, env)
         run_dir = out / "runs" / arm / f"seed{seed}"
         extra = extra + [f"train.seed={seed}", f"model.init_from={warm}", f"logging.run_dir={run_dir}"]
@@ -435,17 +527,252 @@ def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -
             shutil.rmtree(run_dir)  # an incomplete run (a crash, an interruption) restarts from its beginning
         run_dir.mkdir(parents=True)
         cmd = [sys.executable, "-m", "opid_mega.cli", "--config", str(ROOT / CONFIG), "--run-dir", str(run_dir), *extra]
-        wall = ex.run_logged(f"{arm} seed {seed}", cmd, run_dir / "train.log", env)
+        with IdleMonitor() as monitor:
+            wall = ex.run_logged(f"{arm} seed {seed}", cmd, run_dir / "train.log", env)
+        idle = monitor.record()
         (run_dir / "experiment_run.json").write_text(json.dumps({"wall_s": wall, "overrides": extra,
-                                                                 "loadavg_before": load}) + "\n")
+                                                                 "loadavg_before": load, "idle_monitor": idle}) + "\n")
+        if idle["other_heavy_processes_seen"]:
+            print(f"    WARNING: other heavy processes ran during this run: {idle['other_heavy_processes_seen']}",
+                  flush=True)
         if not ex.run_is_complete(run_dir, expected, iterations, steps):
             raise ex.ExperimentError(f"{arm} seed {seed} finished without all its metrics ({run_dir})")
         print(f"    done in {wall / 60:.1f} min", flush=True)
+        if (seed, arm) == (1, "grpo") and not (out / "lr_guard.json").exists():
+            from opid_mega.metrics import read_metrics
+
+            g = {**lr_guard(read_metrics(run_dir)), "rule": LR_GUARD, "lr_of_the_decided_run": cfg.train.lr}
+            (out / "lr_guard.json").write_text(json.dumps(g, indent=1) + "\n")
+            print(f"    lr guard (GRPO seed 1): {g}", flush=True)
+            if g["tripped"]:  # archived, then every arm (this one first) at the guard's lr
+                os.replace(run_dir, out / "runs" / "grpo" / "seed1_lr_guard_tripped")
+                return cmd_run(out, env, arms, seeds)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The report: docs/mechanism_results.json, docs/mechanism_results.md (table + tests), docs/mechanism_curves.png
+# --------------------------------------------------------------------------------------------------------------------
+
+RESULTS = ROOT / "docs" / "mechanism_results.json"
+RESULTS_MD = ROOT / "docs" / "mechanism_results.md"
+FIGURE = ROOT / "docs" / "mechanism_curves.png"
+REACH = 0.35  # the pre-registered threshold of "rollouts to reach held-out success"
+
+
+def rollout_curve(start: float, records: Sequence[dict], rollouts_per_iteration: int,
+                  key: str = "eval/success_rate") -> list:
+    """[(rollouts, value)]: the 0-rollout point (the seed's eval-only run of the warm start), then the run's held-out
+    evaluations at iteration k as k x rollouts_per_iteration."""
+    return [(0, float(start))] + [(s * rollouts_per_iteration, v) for s, v in ex.eval_curve(records, key)]
+
+
+def first_reach(curve: Sequence[tuple], threshold: float) -> Optional[int]:
+    """The first evaluation point (rollouts) whose value is >= threshold; None when none is."""
+    return next((x for x, y in curve if y >= threshold), None)
+
+
+def tie_group_share(records: Sequence[dict]) -> Optional[float]:
+    """The share of (iteration, group) whose step-samples all carry the same trajectory score (no outcome signal)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["iteration"], r["group"]), set()).add(r["score"])
+    return sum(len(v) == 1 for v in groups.values()) / len(groups) if groups else None
+
+
+def colour_token_positions(pieces: Sequence[str], colour: str) -> list:
+    """The positions of the tokens that spell the FIRST occurrence of `colour` in a response given as its decoded
+    token pieces (a piece may carry a leading space or merge with neighbours' characters)."""
+    text = "".join(pieces)
+    at = text.find(colour)
+    if at < 0:
+        return []
+    out, pos = [], 0
+    for k, piece in enumerate(pieces):
+        lo, hi = pos, pos + len(piece)
+        if hi > at and lo < at + len(colour):
+            out.append(k)
+        pos = hi
+    return out
+
+
+def door_delta_signs(records: Sequence[dict], decode) -> dict:
+    """Over skill-routed door steps ("open <colour> door" actions of footprints tasks): the mean Δ over the door
+    colour's tokens and whether its sign is right (> 0 when the door is the game's right one, < 0 when it is not).
+    `decode(token_id) -> str` gives a token's piece."""
+    from opid_mega.envs.footprints_env import make_game
+
+    right_n = wrong_n = right_ok = wrong_ok = 0
+    right_sum = wrong_sum = 0.0
+    for r in records:
+        words = str(r.get("action", "")).split()
+        if not r["kinds"] or len(words) != 3 or words[0] != "open" or words[2] != "door":
+            continue
+        colour = words[1]
+        game = make_game(int(str(r["task"]).rsplit("-", 1)[1]))
+        pos = colour_token_positions([decode(t) for t in r["response_ids"]], colour)
+        if not pos:
+            continue
+        for kind in r["kinds"]:
+            d = sum(r["delta"][kind][k] for k in pos) / len(pos)
+            if colour == game.right:
+                right_n, right_sum, right_ok = right_n + 1, right_sum + d, right_ok + (d > 0)
+            else:
+                wrong_n, wrong_sum, wrong_ok = wrong_n + 1, wrong_sum + d, wrong_ok + (d < 0)
+    n = right_n + wrong_n
+    return {"routed_door_steps": n, "sign_correct": (right_ok + wrong_ok) / n if n else None,
+            "right_door": {"n": right_n, "mean_delta": right_sum / right_n if right_n else None},
+            "wrong_door": {"n": wrong_n, "mean_delta": wrong_sum / wrong_n if wrong_n else None}}
+
+
+def paired_tests(diffs: Sequence[float]) -> dict:
+    """One-sided tests that the mean paired difference is > 0: Student's t (n - 1 degrees of freedom) and the exact
+    sign-flip permutation test (every one of the 2^n sign assignments; p = the share whose mean is >= the observed)."""
+    import itertools
+
+    from scipy import stats
+
+    n = len(diffs)
+    out: dict = {"n": n, "diffs": list(diffs)}
+    if n == 0:
+        return out
+    mean = sum(diffs) / n
+    out["mean"] = mean
+    if n >= 2:
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        out["sd"] = sd
+        if sd > 0:
+            t = mean / (sd / math.sqrt(n))
+            out["t"], out["p_t_one_sided"] = t, float(stats.t.sf(t, n - 1))
+        else:
+            out["t"], out["p_t_one_sided"] = None, None
+    flips = [sum(s * d for s, d in zip(signs, diffs)) / n for signs in itertools.product((1, -1), repeat=n)]
+    out["p_signflip_one_sided"] = sum(f >= mean - 1e-12 for f in flips) / len(flips)
+    return out
+
+
+def run_values(run_dir: Path, start: dict, rollouts_per_iteration: int, iterations: int, decode) -> dict:
+    """One arm x seed: its held-out curves in rollouts and every pre-registered endpoint."""
+    from opid_mega.metrics import read_metrics
+
+    records = read_metrics(run_dir)
+    curve = rollout_curve(start["eval/success_rate"], records, rollouts_per_iteration)
+    door = ex.eval_curve(records, "eval/first_door_correct")
+    lengths = ex.eval_curve(records, "eval/episode_length")
+    summary = ex.run_summary(records, iterations)
+    adv_file = run_dir / "advantages.jsonl"
+    adv = [json.loads(ln) for ln in adv_file.read_text().splitlines() if ln.strip()] if adv_file.exists() else []
+    with_skills = ex.eval_curve(records, "eval/success_rate_with_skills")
+    info = json.loads((run_dir / "experiment_run.json").read_text()) if (run_dir / "experiment_run.json").exists() \
+        else {}
+    return {"curve": curve, "auc": ex.curve_auc(curve), "final": curve[-1][1],
+            "first_door_correct": [(s * rollouts_per_iteration, v) for s, v in door],
+            "final_first_door_correct": door[-1][1] if door else None,
+            "rollouts_to_reach": first_reach(curve, REACH),
+            "final_episode_length": lengths[-1][1] if lengths else None,
+            "skill_share_pooled": summary["skill_share_pooled"], "tie_group_share": tie_group_share(adv),
+            "door_delta": door_delta_signs(adv, decode) if any(r["kinds"] for r in adv) else None,
+            "final_with_skills": with_skills[-1][1] if with_skills else None,
+            "train_success": summary["train_success"], "wall_s": info.get("wall_s"),
+            "idle_monitor": info.get("idle_monitor"), "loadavg_before": info.get("loadavg_before")}
+
+
+def results_table(arms: dict) -> str:
+    """Markdown: per arm, n seeds and mean ± sd of each endpoint."""
+    def fmt(vals, d=3):
+        m, sd = ex.mean_std(vals)
+        return "–" if m is None else f"{m:.{d}f}" + (f" ± {sd:.{d}f}" if sd is not None else "")
+
+    head = ("| arm | seeds | held-out success, 0 rollouts | after 480 | AUC 0-480 | first door correct, final | "
+            "episode length, final | skill share (pooled) | tie groups | Δ sign-correct on door tokens |")
+    lines = [head, "|" + "---|" * 10]
+    for arm, by_seed in arms.items():
+        v = list(by_seed.values())
+        lines.append("| " + " | ".join([
+            arm, str(len(v)), fmt([x["curve"][0][1] for x in v]), fmt([x["final"] for x in v]),
+            fmt([x["auc"] for x in v]), fmt([x["final_first_door_correct"] for x in v]),
+            fmt([x["final_episode_length"] for x in v], 2), fmt([x["skill_share_pooled"] for x in v], 4),
+            fmt([x["tie_group_share"] for x in v]),
+            fmt([(x["door_delta"] or {}).get("sign_correct") for x in v])]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_report(out: Path) -> dict:
+    if not PREREG.exists():
+        raise ex.ExperimentError(f"no {PREREG}: nothing was pre-registered")
+    prereg = json.loads(PREREG.read_text())
+    from opid_mega.models import load_tokenizer
+
+    warm = ex.find_warm_start(out / "warm_start.json")
+    tok = load_tokenizer(str(warm))
+    cfg = load_cfg()
+    per_iter = cfg.rollout.tasks_per_iter * cfg.rollout.group_size
+    iterations = cfg.train.iterations
+    steps = ex.eval_steps(iterations, cfg.eval.interval, cfg.eval.before_training)
+    import yaml
+
+    from opid_mega.config import dump_config
+
+    arms: dict = {}
+    missing = []
+    for seed, arm in prereg["schedule"]:
+        run_dir = out / "runs" / arm / f"seed{seed}"
+        extra = list(prereg["arms"][arm]) + guard_overrides(out) + [f"train.seed={seed}", f"model.init_from={warm}",
+                                                                    f"logging.run_dir={run_dir}"]
+        start_file = out / "eval0" / f"seed{seed}.json"
+        if not start_file.exists() or not ex.run_is_complete(run_dir, yaml.safe_load(dump_config(load_cfg(extra))),
+                                                               iterations, steps):
+            missing.append([seed, arm])
+            continue
+        values = run_values(run_dir, json.loads(start_file.read_text()), per_iter, iterations,
+                            lambda t: tok.decode([t]))
+        arms.setdefault(arm, {})[str(seed)] = values
+
+    def paired(arm, base="grpo", key="auc"):
+        common = sorted(set(arms.get(arm, {})) & set(arms.get(base, {})), key=int)
+        return {"seeds": [int(s) for s in common],
+                **paired_tests([arms[arm][s][key] - arms[base][s][key] for s in common])}
+
+    tests = {"primary_auc_opid_rule_vs_grpo": paired("opid_rule"),
+             "negative_control_auc_opid_shuffled_vs_grpo": paired("opid_shuffled"),
+             "final_opid_rule_vs_grpo": paired("opid_rule", key="final"),
+             "final_opid_shuffled_vs_grpo": paired("opid_shuffled", key="final")}
+    for extra_arm in ("opid_ref", "grpo_mean_norm", "skill_grpo"):
+        if extra_arm in arms:
+            tests[f"auc_{extra_arm}_vs_grpo"] = paired(extra_arm)
+    diffs = [abs(t.get("mean", 0.0)) for k, t in tests.items() if k.startswith(("primary", "final_opid_rule"))]
+    verdict_budget = "budget too small" if diffs and max(diffs) < 0.1 else None
+    results = {"prereg": PREREG.name, "prereg_lambda": prereg["lambda"], "rollouts_per_iteration": per_iter,
+               "arms": arms, "tests": tests, "missing_runs": missing, "reach_threshold": REACH,
+               "decision_rule_budget": verdict_budget}
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    table = results_table(arms)
+    test_lines = []
+    for name, t in tests.items():
+        if t.get("n"):
+            test_lines.append(f"- {name}: n = {t['n']} (seeds {t['seeds']}), mean difference {t['mean']:+.4f}"
+                              + (f", sd {t['sd']:.4f}" if t.get("sd") is not None else "")
+                              + (f", t = {t['t']:.3f}, one-sided p = {t['p_t_one_sided']:.4f}"
+                                 if t.get("t") is not None else "")
+                              + f", exact sign-flip one-sided p = {t['p_signflip_one_sided']:.4f}")
+        else:
+            test_lines.append(f"- {name}: no paired seeds")
+    RESULTS_MD.write_text("# Mechanism experiment: results (written by `python tools/mechanism.py report`)\n\n"
+                          f"λ = {prereg['lambda']} (pre-registered). Mean ± sample sd over seeds.\n\n" + table
+                          + "\nPaired tests (pre-registered: one-sided, α 0.05):\n\n" + "\n".join(test_lines) + "\n"
+                          + (f"\nMissing runs (seed, arm): {missing}\n" if missing else "")
+                          + (f"\nDecision rule: {verdict_budget} (no arm moved held-out success by 0.1).\n"
+                             if verdict_budget else ""))
+    curves = {arm: [[(x / per_iter, y) for x, y in v["curve"]] for v in by_seed.values()]
+              for arm, by_seed in arms.items()}
+    if curves:
+        ex.plot_curves(curves, FIGURE, title="Footprints held-out success")
+    print(table + "\n".join(test_lines))
+    return results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="tools/mechanism.py", description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=("probe", "lambda", "prereg", "run"))
+    p.add_argument("command", choices=("probe", "lambda", "prereg", "run", "report"))
     p.add_argument("--out", default=str(ROOT / "runs" / "mechanism"))
     p.add_argument("--arms")
     p.add_argument("--seeds")
@@ -460,6 +787,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cmd_lambda(out, env)
         elif args.command == "prereg":
             cmd_prereg(out)
+        elif args.command == "report":
+            cmd_report(out)
         else:
             cmd_run(out, env, ex.parse_list(args.arms), ex.parse_list(args.seeds, int))
     except ex.ExperimentError as e:
