@@ -502,7 +502,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         "reference": "the frozen reference is a host-memory copy (ReferenceWeights), not on the GPU",
         "rollout": (f"upper bound tasks_per_iter x group_size x max_steps x max_response_tokens = {B}x{Gs}x{S}x"
                     f"{r.max_response_tokens}; decode {per_gpu_decode:.0f} tok/s per rollout GPU "
-                    + (f"(--decode-tok-s)" if decode_tok_s else
+                    + ("(--decode-tok-s)" if decode_tok_s else
                        f"(--decode-mfu {decode_mfu:g} x {gpu_tflops:g} TFLOP/s / 2N)") + f" on {rollout_gpus} GPUs"),
         "analysis": (f"one call per trajectory, analyzer.max_tokens={cfg.analyzer.max_tokens} tokens each (upper bound), "
                      "same decode model on deploy.analyzer_gpus"),

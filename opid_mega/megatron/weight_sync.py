@@ -36,10 +36,8 @@ One sync:
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Optional

@@ -16,7 +16,6 @@ gives a torchrun rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
