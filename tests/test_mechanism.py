@@ -210,3 +210,46 @@ def test_busy_processes_leaves_out_the_runs_own_tree():
     finally:
         child.kill()
         child.wait()
+
+
+def test_runs_in_the_committed_record_are_kept_not_rerun(tmp_path):
+    committed = {"grpo": {"1": {}, "2": {}}, "opid_rule": {"1": {}}}
+    gone = tmp_path / "gone"
+    assert mechanism.kept_from_record(gone, 2, "grpo", committed, guard_decided=False)
+    assert mechanism.kept_from_record(gone, 1, "opid_rule", committed, guard_decided=False)
+    assert not mechanism.kept_from_record(gone, 3, "grpo", committed, guard_decided=True)  # not in the record
+    # GRPO seed 1 decides the lr guard: without a guard decided here it runs again
+    assert not mechanism.kept_from_record(gone, 1, "grpo", committed, guard_decided=False)
+    assert mechanism.kept_from_record(gone, 1, "grpo", committed, guard_decided=True)
+    started = tmp_path / "started"
+    started.mkdir()  # a directory here means this machine started it: it is not replaced by the record
+    assert not mechanism.kept_from_record(started, 2, "grpo", committed, guard_decided=True)
+
+
+def test_reproduction_of_a_committed_run():
+    old = {"curve": [[0, 0.125], [160, 0.25]], "auc": 0.1875, "final": 0.25, "first_door_correct": [[160, 0.5]],
+           "final_episode_length": 3.5, "skill_share_pooled": 0.0, "tie_group_share": 0.5, "door_delta": None,
+           "train_success": 0.25, "wall_s": 400.0}
+    same = {**old, "wall_s": 431.0}  # timings are not compared
+    assert mechanism.reproduction(same, old) == {"reproduced": True, "differing_keys": []}
+    other = {**old, "curve": [[0, 0.125], [160, 0.28125]], "final": 0.28125}
+    assert mechanism.reproduction(other, old) == {"reproduced": False, "differing_keys": ["curve", "final"]}
+    assert mechanism.reproduction({**old, "door_delta": {"sign_correct": 0.5}}, old)["differing_keys"] == ["door_delta"]
+
+
+def test_archive_copies_the_small_records(tmp_path):
+    out, dest = tmp_path / "out", tmp_path / "archive"
+    files = ["warm_start.json", "probe.json", "lr_guard.json", "lambda_calibration/lambda.json",
+             "lambda_calibration/advantages.jsonl", "eval0/seed1.json", "eval0/seed1.log",
+             "runs/grpo/seed1/metrics.jsonl", "runs/grpo/seed1/experiment_run.json", "runs/grpo/seed1/train.log",
+             "runs/grpo/seed1/advantages.jsonl", "logs/warm_start.log"]
+    for k, f in enumerate(files):
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        (out / f).write_text(f"record {k}\n")
+    copied = mechanism.archive(out, dest)
+    kept = ["warm_start.json", "probe.json", "lr_guard.json", "lambda_calibration/lambda.json", "eval0/seed1.json",
+            "runs/grpo/seed1/metrics.jsonl", "runs/grpo/seed1/experiment_run.json"]
+    assert copied == kept  # logs and advantages stay out (large; the metrics and records carry the results)
+    k = files.index("runs/grpo/seed1/metrics.jsonl")
+    assert (dest / "runs/grpo/seed1/metrics.jsonl").read_text() == f"record {k}\n"
+    assert not (dest / "eval0/seed1.log").exists()

@@ -5,12 +5,17 @@
     python tools/mechanism.py lambda   [--out DIR]        # λ from the rule: two warm-start batches, no update
     python tools/mechanism.py prereg   [--out DIR]        # writes docs/mechanism_prereg.json (commit it first)
     python tools/mechanism.py run      [--out DIR] [--arms a,b] [--seeds 1,2]   # the arms, gated by the prereg
-    python tools/mechanism.py report   [--out DIR]        # docs/mechanism_results.{json,md}, mechanism_curves.png
+    python tools/mechanism.py report   [--out DIR]        # docs/mechanism_results.{json,md}, mechanism_curves.png,
+                                                          # docs/mechanism_archive/ (the small records of DIR)
 
 The runs refuse any arm, seed, config file or override that docs/mechanism_prereg.json does not hold (the config
-file's sha256, the warm start's weights hash and λ are checked too) and watch the machine stays idle while they run. Every step's output is archived under DIR (default runs/mechanism): the
-warm start log, probe.json, the λ calibration run with its advantages.jsonl, one eval-only run per seed (the
-0-rollout point, shared by the arms of that seed) and runs/<arm>/seed<k>/.
+file's sha256, the warm start's weights hash and λ are checked too) and watch the machine stays idle while they
+run. Every step's output is archived under DIR (default runs/mechanism): the warm start log, probe.json, the λ
+calibration run with its advantages.jsonl, one eval-only run per seed (the 0-rollout point, shared by the arms of
+that seed) and runs/<arm>/seed<k>/. DIR is not committed; `report` copies its small records (ARCHIVED) into
+docs/mechanism_archive/, and the committed docs/mechanism_results.json is the record of every run: on a machine
+without a run's directory, `run` does not run it again and `report` keeps its committed values (GRPO seed 1 runs
+again while the lr guard is not decided on this machine; a rerun of a committed run is checked against its record).
 
 A positive and a negative control for the pipeline with a privileged hindsight analyzer, not a reproduction of
 the paper's LLM-analyzer result.
@@ -72,6 +77,18 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def machine_info() -> dict:
+    """The CPU and torch's kernel level: float results (a warm start's bytes) can differ between machines."""
+    import platform
+
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def weights_hash(model_dir: Path) -> str:
     """sha256 over the warm start's weight files (name and bytes), in name order."""
     h = hashlib.sha256()
@@ -104,7 +121,8 @@ def warm_start(out: Path, env: dict) -> Path:
     path = next((ln for ln in reversed(lines) if ln and (Path(ln) / ".opid_sft_complete").exists()), "")
     if not path:
         raise ex.ExperimentError(f"opid-sft finished without a warm start (log {log})")
-    record.write_text(json.dumps({"path": path, "wall_s": wall, "weights_sha256_16": weights_hash(Path(path))}) + "\n")
+    record.write_text(json.dumps({"path": path, "wall_s": wall, "weights_sha256_16": weights_hash(Path(path)),
+                                  "machine": machine_info()}) + "\n")
     return Path(path)
 
 
@@ -460,7 +478,8 @@ def check_prereg(prereg: dict, arm: str, seed: int, warm: Path) -> list:
     if sha256_file(ROOT / prereg["config_file"]) != prereg["config_sha256"]:
         raise ex.ExperimentError(f"{prereg['config_file']} differs from the pre-registered one (sha256)")
     if weights_hash(warm) != prereg["warm_start"]["weights_sha256_16"]:
-        raise ex.ExperimentError(f"the warm start {warm} is not the pre-registered one (weights hash)")
+        raise ex.ExperimentError(f"the warm start {warm} is not the pre-registered one (weights hash "
+                                 f"{weights_hash(warm)}, pre-registered {prereg['warm_start']['weights_sha256_16']})")
     if prereg["arms"][arm] != arm_overrides(arm, prereg["lambda"]):
         raise ex.ExperimentError(f"arm {arm}: this tool's overrides {arm_overrides(arm, prereg['lambda'])} differ "
                                  f"from the pre-registered {prereg['arms'][arm]}")
@@ -504,6 +523,9 @@ def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -
     cfg = load_cfg()
     iterations = cfg.train.iterations
     steps = ex.eval_steps(iterations, cfg.eval.interval, cfg.eval.before_training)
+    # A run the committed results hold is not run again when its directory is gone (a new machine): its values stay
+    # the record. GRPO seed 1 is the exception while this OUT has no lr_guard.json: the guard is decided on a run here.
+    committed = committed_runs()
     for k, (seed, arm) in enumerate(todo, 1):
         if (seed, arm) != (1, "grpo") and not (out / "lr_guard.json").exists():
             raise ex.ExperimentError("GRPO seed 1 decides the lr guard and runs first: run it before any other arm")
@@ -514,6 +536,10 @@ def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -
         expected = yaml.safe_load(dump_config(load_cfg(extra)))
         if ex.run_is_complete(run_dir, expected, iterations, steps):
             print(f"[{k}/{len(todo)}] {arm} seed {seed}: complete, skipped", flush=True)
+            continue
+        if kept_from_record(run_dir, seed, arm, committed, (out / "lr_guard.json").exists()):
+            print(f"[{k}/{len(todo)}] {arm} seed {seed}: in {RESULTS.name} (its run directory is not on this "
+                  "machine), skipped", flush=True)
             continue
         busy = busy_processes()
         if busy:
@@ -531,7 +557,8 @@ def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -
             wall = ex.run_logged(f"{arm} seed {seed}", cmd, run_dir / "train.log", env)
         idle = monitor.record()
         (run_dir / "experiment_run.json").write_text(json.dumps({"wall_s": wall, "overrides": extra,
-                                                                 "loadavg_before": load, "idle_monitor": idle}) + "\n")
+                                                                 "loadavg_before": load, "idle_monitor": idle,
+                                                                 "machine": machine_info()}) + "\n")
         if idle["other_heavy_processes_seen"]:
             print(f"    WARNING: other heavy processes ran during this run: {idle['other_heavy_processes_seen']}",
                   flush=True)
@@ -650,6 +677,63 @@ def paired_tests(diffs: Sequence[float]) -> dict:
     return out
 
 
+ARCHIVE = ROOT / "docs" / "mechanism_archive"
+# The small records of OUT that are committed (runs/ is not: a new machine starts without it): the warm start's
+# record, the probe, the λ calibration, the lr guard, the eval-only starts and each run's metrics and idle record.
+ARCHIVED = ("warm_start.json", "probe.json", "lr_guard.json", "lambda_calibration/lambda.json", "eval0/seed*.json",
+            "runs/*/seed*/metrics.jsonl", "runs/*/seed*/experiment_run.json")
+
+
+def archive(out: Path, dest: Path = ARCHIVE) -> list:
+    """Copies OUT's small records (ARCHIVED) to DEST, keeping their relative paths; the list of files copied."""
+    import shutil
+
+    copied = []
+    for pattern in ARCHIVED:
+        for f in sorted(out.glob(pattern)):
+            rel = f.relative_to(out)
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest / rel)
+            copied.append(str(rel))
+    return copied
+
+
+def kept_from_record(run_dir: Path, seed: int, arm: str, committed: dict, guard_decided: bool) -> bool:
+    """Whether `run` keeps arm x seed's committed values instead of running it: the record holds it and its run
+    directory is not here (a directory, even an incomplete one, means it was started on this machine), except GRPO
+    seed 1 while the lr guard is not decided here."""
+    return (not run_dir.exists() and str(seed) in committed.get(arm, {})
+            and ((seed, arm) != (1, "grpo") or guard_decided))
+
+
+def committed_runs() -> dict:
+    """arm -> seed -> values of the committed docs/mechanism_results.json ({} without one)."""
+    if not RESULTS.exists():
+        return {}
+    return json.loads(RESULTS.read_text()).get("arms", {})
+
+
+# The values a rerun must reproduce exactly for its committed record to count as reproduced (the run's own timings
+# and idle record differ from machine to machine).
+REPRODUCED_KEYS = ("curve", "auc", "final", "first_door_correct", "final_episode_length", "skill_share_pooled",
+                   "tie_group_share", "door_delta", "train_success")
+
+
+def reproduction(new: dict, old: dict) -> dict:
+    """Whether a rerun on this machine gave the committed values: the keys that differ (beyond 1e-9), if any."""
+    def same(a, b):
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            return abs(a - b) <= 1e-9
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    differ = [k for k in REPRODUCED_KEYS if not same(new.get(k), old.get(k))]
+    return {"reproduced": not differ, "differing_keys": differ}
+
+
 def run_values(run_dir: Path, start: dict, rollouts_per_iteration: int, iterations: int, decode) -> dict:
     """One arm x seed: its held-out curves in rollouts and every pre-registered endpoint."""
     from opid_mega.metrics import read_metrics
@@ -672,7 +756,7 @@ def run_values(run_dir: Path, start: dict, rollouts_per_iteration: int, iteratio
             "skill_share_pooled": summary["skill_share_pooled"], "tie_group_share": tie_group_share(adv),
             "door_delta": door_delta_signs(adv, decode) if any(r["kinds"] for r in adv) else None,
             "final_with_skills": with_skills[-1][1] if with_skills else None,
-            "train_success": summary["train_success"], "wall_s": info.get("wall_s"),
+            "train_success": summary["train_success"], "wall_s": info.get("wall_s"), "machine": info.get("machine"),
             "idle_monitor": info.get("idle_monitor"), "loadavg_before": info.get("loadavg_before")}
 
 
@@ -712,6 +796,7 @@ def cmd_report(out: Path) -> dict:
 
     from opid_mega.config import dump_config
 
+    committed = committed_runs()
     arms: dict = {}
     missing = []
     for seed, arm in prereg["schedule"]:
@@ -719,12 +804,20 @@ def cmd_report(out: Path) -> dict:
         extra = list(prereg["arms"][arm]) + guard_overrides(out) + [f"train.seed={seed}", f"model.init_from={warm}",
                                                                     f"logging.run_dir={run_dir}"]
         start_file = out / "eval0" / f"seed{seed}.json"
+        old = committed.get(arm, {}).get(str(seed))
         if not start_file.exists() or not ex.run_is_complete(run_dir, yaml.safe_load(dump_config(load_cfg(extra))),
                                                                iterations, steps):
-            missing.append([seed, arm])
+            if old is not None and not run_dir.exists():  # run on an earlier machine: its committed values stay
+                arms.setdefault(arm, {})[str(seed)] = {**old, "from_committed_record": True}
+            else:
+                missing.append([seed, arm])
             continue
         values = run_values(run_dir, json.loads(start_file.read_text()), per_iter, iterations,
                             lambda t: tok.decode([t]))
+        if old is not None and old.get("wall_s") != values["wall_s"]:  # another execution of a committed run
+            values["rerun_of_committed"] = {**reproduction(values, old), "committed_wall_s": old.get("wall_s")}
+        elif old is not None and "rerun_of_committed" in old:
+            values["rerun_of_committed"] = old["rerun_of_committed"]
         arms.setdefault(arm, {})[str(seed)] = values
 
     def paired(arm, base="grpo", key="auc"):
@@ -762,6 +855,8 @@ def cmd_report(out: Path) -> dict:
                           + (f"\nMissing runs (seed, arm): {missing}\n" if missing else "")
                           + (f"\nDecision rule: {verdict_budget} (no arm moved held-out success by 0.1).\n"
                              if verdict_budget else ""))
+    archived = archive(out)
+    print(f"archived {len(archived)} records under {ARCHIVE.relative_to(ROOT)}")
     curves = {arm: [[(x / per_iter, y) for x, y in v["curve"]] for v in by_seed.values()]
               for arm, by_seed in arms.items()}
     if curves:
