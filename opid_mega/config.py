@@ -51,7 +51,7 @@ class ModelConfig:
     # A Hugging Face model directory (config.json + safetensors + tokenizer). Empty: build `builtin`.
     path: str = ""
     # A model built offline by tools/prepare_models.py when `path` is empty.
-    builtin: Literal["tiny-qwen3", "tiny-qwen2", "tiny-llama", "smollm2-135m"] = "tiny-qwen3"
+    builtin: Literal["tiny-qwen3", "tiny-qwen2", "tiny-llama", "smollm2-135m", "tiny-qwen3-footprints"] = "tiny-qwen3"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Where built models are cached.
     cache_dir: str = "~/.cache/opid_mega/models"

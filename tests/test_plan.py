@@ -58,7 +58,7 @@ def test_param_count_of_every_shipped_config_equals_transformers(name, tmp_path)
         assert n == PUBLISHED[name]
 
 
-@pytest.mark.parametrize("builtin", ["tiny-qwen3", "tiny-qwen2", "tiny-llama"])
+@pytest.mark.parametrize("builtin", ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-qwen3-footprints"])
 def test_param_count_of_builtin_models_equals_transformers(builtin, tmp_path):
     hf, _ = P.builtin_hf_config(builtin)
     assert P.param_count(P.arch_facts(hf, builtin)) == _meta_count(hf, tmp_path)

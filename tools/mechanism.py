@@ -1,21 +1,25 @@
 #!/usr/bin/env python
-"""The pre-registered mechanism experiment on footprints (docs/experiments.md "Mechanism experiment").
+"""The pre-registered mechanism experiment on footprints, version 2 (docs/experiments.md "Mechanism experiment";
+version 1 is archived in docs/mechanism_archive/v1/).
 
     python tools/mechanism.py probe    [--out DIR]        # warm start + its probe preconditions (archived)
     python tools/mechanism.py lambda   [--out DIR]        # λ from the rule: two warm-start batches, no update
-    python tools/mechanism.py prereg   [--out DIR]        # writes docs/mechanism_prereg.json (commit it first)
+    python tools/mechanism.py prereg   [--out DIR]        # writes docs/mechanism_prereg.json and the committed warm
+                                                          # start docs/mechanism_archive/v2/warm_start/ (commit both)
     python tools/mechanism.py run      [--out DIR] [--arms a,b] [--seeds 1,2]   # the arms, gated by the prereg
     python tools/mechanism.py report   [--out DIR]        # docs/mechanism_results.{json,md}, mechanism_curves.png,
-                                                          # docs/mechanism_archive/ (the small records of DIR)
+                                                          # docs/mechanism_archive/v2/ (the small records of DIR)
 
 The runs refuse any arm, seed, config file or override that docs/mechanism_prereg.json does not hold (the config
 file's sha256, the warm start's weights hash and λ are checked too) and watch the machine stays idle while they
-run. Every step's output is archived under DIR (default runs/mechanism): the warm start log, probe.json, the λ
-calibration run with its advantages.jsonl, one eval-only run per seed (the 0-rollout point, shared by the arms of
-that seed) and runs/<arm>/seed<k>/. DIR is not committed; `report` copies its small records (ARCHIVED) into
-docs/mechanism_archive/, and the committed docs/mechanism_results.json is the record of every run: on a machine
-without a run's directory, `run` does not run it again and `report` keeps its committed values (GRPO seed 1 runs
-again while the lr guard is not decided on this machine; a rerun of a committed run is checked against its record).
+run. The warm start is committed (1.6 MB: tiny-qwen3-footprints); on a machine without DIR's record of it, it is
+assembled from the committed files and the built-in model's tokenizer. Every step's output is kept under DIR
+(default runs/mechanism_v2): the warm start log, probe.json, the λ calibration run with its advantages.jsonl, one
+eval-only run per seed (the 0-rollout point, shared by the arms of that seed) and runs/<arm>/seed<k>/. DIR is not
+committed; `report` copies its small records (ARCHIVED) into docs/mechanism_archive/v2/, and the committed
+docs/mechanism_results.json is the record of every run: on a machine without a run's directory, `run` does not run
+it again and `report` keeps its committed values (GRPO seed 1 runs again while the lr guard is not decided on this
+machine; a rerun of a committed run is checked against its record).
 
 A positive and a negative control for the pipeline with a privileged hindsight analyzer, not a reproduction of
 the paper's LLM-analyzer result.
@@ -107,12 +111,69 @@ def load_cfg(overrides: Sequence[str] = ()):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+ARCHIVE = ROOT / "docs" / "mechanism_archive" / "v2"
+# The committed warm start (the pre-registration fixes its weights hash): its weights, config and opid-sft record;
+# the tokenizer files come from the built-in model (model.builtin) it was trained from.
+WARM_DIR = ARCHIVE / "warm_start"
+WARM_FILES = ("config.json", "generation_config.json", "model.safetensors", "sft.json")
+
+
+def commit_warm_start(warm: Path, dest: Path = WARM_DIR) -> list:
+    """Copies the warm start's WARM_FILES into DEST (committed with the pre-registration); the files copied."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in WARM_FILES:
+        if (warm / name).exists():
+            shutil.copyfile(warm / name, dest / name)
+            copied.append(name)
+    if "model.safetensors" not in copied:
+        raise ex.ExperimentError(f"the warm start {warm} has no model.safetensors")
+    return copied
+
+
+def assemble_warm_start(src: Path, base: Path, target: Path) -> Path:
+    """TARGET: a complete warm-start model directory from the committed files in SRC and the tokenizer files of the
+    built-in model directory BASE (everything of BASE but its weights, config and build marker)."""
+    import shutil
+
+    if (target / ".opid_sft_complete").exists():
+        return target
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for f in sorted(base.iterdir()):
+        if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.startswith(".") \
+                and f.name not in WARM_FILES:
+            shutil.copyfile(f, tmp / f.name)
+    for name in WARM_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, tmp / name)
+    (tmp / ".opid_sft_complete").write_text(f"committed warm start {src}\n")
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
 def warm_start(out: Path, env: dict) -> Path:
-    """The cached skill-reading warm start (opid-sft on CONFIG), its log archived in OUT/logs/warm_start.log."""
+    """The warm start: the one OUT/warm_start.json records; else the committed one (WARM_DIR, assembled into
+    OUT/warm_start_model); else opid-sft on CONFIG (cached), its log archived in OUT/logs/warm_start.log."""
     record = out / "warm_start.json"
     warm = ex.find_warm_start(record)
     if warm is not None:
         return warm
+    if (WARM_DIR / "model.safetensors").exists():
+        from opid_mega.models import prepare_model
+
+        cfg = load_cfg()
+        path = assemble_warm_start(WARM_DIR, Path(prepare_model(cfg.model.builtin, cfg.model.cache_dir)),
+                                   out / "warm_start_model")
+        record.write_text(json.dumps({"path": str(path), "from_committed": str(WARM_DIR.relative_to(ROOT)),
+                                      "weights_sha256_16": weights_hash(path), "machine": machine_info()}) + "\n")
+        return path
     log = out / "logs" / "warm_start.log"
     cmd = [sys.executable, "-c", "import sys; from opid_mega.cli import sft_main; sys.exit(sft_main())",
            "--config", str(ROOT / CONFIG)]
@@ -271,23 +332,36 @@ def round_down_1sig(x: float) -> float:
     return float(f"{d}e{e}")
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The q-quantile of VALUES by nearest rank (the ceil(q n)-th smallest)."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
 def lambda_rule(records: Sequence[dict]) -> dict:
     """λ = median |A_out| over the step-samples of mixed groups (groups whose trajectory scores differ) ÷ the 95th
-    percentile of |Δ| over skill-routed tokens, rounded down to one significant figure."""
+    percentile, over skill-routed step-samples (one value per sample and routed kind), of the sample's largest
+    token |Δ|; rounded down to one significant figure. (Version 2 of the rule. Version 1, EXPERIMENT.md's, took the
+    95th percentile of |Δ| over skill-routed TOKENS: where Δ sits on one decision token per sample, that percentile
+    is the noise of the other tokens, and version 1's λ = 6 drove both OPID arms, the negative control too, to 0
+    held-out success. Its value is computed and recorded here as well.)"""
     by_group: dict = {}
     for r in records:
         by_group.setdefault((r["iteration"], r["group"]), []).append(r)
     mixed = [r for g in by_group.values() if len({x["score"] for x in g}) > 1 for r in g]
     a_out = [abs(r["a_out"]) for r in mixed]
-    deltas = sorted(abs(d) for r in records for kind in r["kinds"] for d in r["delta"][kind])
-    if not a_out or not deltas:
-        raise ValueError(f"λ rule: {len(a_out)} mixed-group samples, {len(deltas)} skill-routed tokens")
-    p95 = deltas[min(len(deltas) - 1, math.ceil(0.95 * len(deltas)) - 1)]  # nearest rank
+    tokens = [abs(d) for r in records for kind in r["kinds"] for d in r["delta"][kind]]
+    samples = [max(abs(d) for d in r["delta"][kind]) for r in records for kind in r["kinds"] if r["delta"][kind]]
+    if not a_out or not samples:
+        raise ValueError(f"λ rule: {len(a_out)} mixed-group samples, {len(samples)} skill-routed samples")
     med = statistics.median(a_out)
-    return {"median_abs_a_out_mixed": med, "p95_abs_delta_routed": p95, "ratio": med / p95,
-            "lambda": round_down_1sig(med / p95), "mixed_group_samples": len(a_out),
+    p95_sample, p95_token = nearest_rank(samples, 0.95), nearest_rank(tokens, 0.95)
+    return {"median_abs_a_out_mixed": med, "p95_max_abs_delta_per_routed_sample": p95_sample,
+            "ratio": med / p95_sample, "lambda": round_down_1sig(med / p95_sample),
+            "mixed_group_samples": len(a_out), "routed_samples": len(samples),
             "groups": len(by_group), "mixed_groups": sum(len({x["score"] for x in g}) > 1 for g in by_group.values()),
-            "routed_tokens": len(deltas)}
+            "v1_rule": {"p95_abs_delta_routed_tokens": p95_token, "ratio": med / p95_token,
+                        "lambda": round_down_1sig(med / p95_token), "routed_tokens": len(tokens)}}
 
 
 def cmd_lambda(out: Path, env: dict) -> dict:
@@ -338,7 +412,21 @@ def cmd_prereg(out: Path) -> dict:
     from opid_mega.envs.footprints_env import VERSION
 
     cfg = load_cfg()
+    copied = commit_warm_start(Path(warm["path"]))
     prereg = {
+        "version": 2,
+        "history": {
+            "v1": "docs/mechanism_archive/v1/ (pre-registration f1e579b, 10 of its 24 runs: both OPID arms collapsed "
+                  "to 0 held-out success at λ = 6; its warm start, the 151k-vocabulary tiny-qwen3, was lost with its "
+                  "machine and its rebuild on another CPU never left the NLL plateau, so the schedule stopped)",
+            "changes_in_v2": [
+                "model.builtin tiny-qwen3-footprints (the same shapes on the footprints token subset, 896 rows): the "
+                "warm start is 1.6 MB and committed (warm_start.committed), so runs on other machines and in later "
+                "sessions start from the same bytes",
+                "λ rule version 2: the 95th percentile of each routed sample's largest token |Δ| instead of |Δ| over "
+                "routed tokens (the version 1 rule's value is recorded in lambda_computation.v1_rule)",
+                "everything else as version 1: env, analyzer, SFT recipe, arms, schedule, budget, endpoints, tests, "
+                "decision rules"]},
         "question": "Does the pipeline turn correct hindsight into sample efficiency, and NOT when the hindsight is "
                     "wrong? A positive and a negative control with a privileged hindsight analyzer; not a "
                     "reproduction of the paper's LLM-analyzer result.",
@@ -346,7 +434,8 @@ def cmd_prereg(out: Path) -> dict:
         "config_file": CONFIG, "config_sha256": sha256_file(ROOT / CONFIG),
         "config": yaml.safe_load(dump_config(cfg)),
         "warm_start": {"dir_name": Path(warm["path"]).name, "weights_sha256_16": warm["weights_sha256_16"],
-                       "sft": yaml.safe_load(dump_config(cfg))["sft"]},
+                       "committed": {"dir": str(WARM_DIR.relative_to(ROOT)), "files": copied},
+                       "machine": warm.get("machine"), "sft": yaml.safe_load(dump_config(cfg))["sft"]},
         "probe": probe, "preconditions": PRECONDITIONS,
         "lambda": lam["lambda"], "lambda_computation": {**lam, "rule": lambda_rule.__doc__.strip()},
         "arms": {a: arm_overrides(a, lam["lambda"]) for a in ARMS},
@@ -386,16 +475,17 @@ def cmd_prereg(out: Path) -> dict:
                                                "= the guard's lr"},
         "measured_before_registration": {
             "warm_start_wall_s": warm.get("wall_s"), "sft_epochs": cfg.sft.epochs,
-            "note": "the first probe's warm start (9 epochs, docs/experiments.md) failed every precondition; only the "
-                    "SFT epochs changed",
+            "note": "version 2's first warm start, the version 1 SFT recipe (40 epochs) on tiny-qwen3-footprints",
             "lambda_calibration_elapsed_s": _last_elapsed(out / "lambda_calibration"),
             "eval_only_seed1_s": json.loads((out / "eval0" / "seed1.json").read_text()).get("wall_s")},
         "idle_machine": "the runs are one opid-train subprocess at a time; the tool refuses to start while another "
-                        "torch/opid process runs (tools/mechanism.py busy_processes) and records the load average "
-                        "before each run",
+                        "torch/opid process runs (tools/mechanism.py busy_processes), records the load average "
+                        "before each run and samples, every 15 s during it, the load and any heavy process outside "
+                        "the run's own process tree (IdleMonitor, written into the run's experiment_run.json)",
     }
     PREREG.write_text(json.dumps(prereg, indent=1) + "\n")
-    print(f"wrote {PREREG}: λ = {lam['lambda']}; commit it before any OPID arm runs")
+    print(f"wrote {PREREG} and {WARM_DIR.relative_to(ROOT)}/: λ = {lam['lambda']}; commit both before any OPID arm "
+          "runs")
     return prereg
 
 
@@ -677,7 +767,6 @@ def paired_tests(diffs: Sequence[float]) -> dict:
     return out
 
 
-ARCHIVE = ROOT / "docs" / "mechanism_archive"
 # The small records of OUT that are committed (runs/ is not: a new machine starts without it): the warm start's
 # record, the probe, the λ calibration, the lr guard, the eval-only starts and each run's metrics and idle record.
 ARCHIVED = ("warm_start.json", "probe.json", "lr_guard.json", "lambda_calibration/lambda.json", "eval0/seed*.json",
@@ -692,6 +781,8 @@ def archive(out: Path, dest: Path = ARCHIVE) -> list:
     for pattern in ARCHIVED:
         for f in sorted(out.glob(pattern)):
             rel = f.relative_to(out)
+            if rel.name == "warm_start.json" and '"from_committed"' in f.read_text():
+                continue  # a machine that used the committed warm start: the record of its training stays
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dest / rel)
             copied.append(str(rel))
@@ -868,7 +959,7 @@ def cmd_report(out: Path) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="tools/mechanism.py", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("probe", "lambda", "prereg", "run", "report"))
-    p.add_argument("--out", default=str(ROOT / "runs" / "mechanism"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "mechanism_v2"))
     p.add_argument("--arms")
     p.add_argument("--seeds")
     args = p.parse_args(argv)

@@ -78,3 +78,61 @@ def test_smollm2_from_gguf(model_cache):
     out = model.generate(**chat, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0][chat["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_tiny_qwen3_footprints_tokenizer_is_a_subset_of_qwen3(model_cache, qwen_tokenizer):
+    from opid_mega.envs.footprints_env import FootprintsEnv
+    from opid_mega.models import FOOTPRINTS_VOCAB
+    from opid_mega.rollout.agent_loop import PromptTokenizer
+
+    path = prepare_model("tiny-qwen3-footprints", model_cache)
+    kept = json.loads(FOOTPRINTS_VOCAB.read_text())["qwen_ids"]
+    tok = load_tokenizer(path)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert len(tok) == len(kept) and cfg["vocab_size"] == -(-len(kept) // 128) * 128 < 1024
+    # the special tokens keep their text; ids are positions in the kept list
+    for name in ("<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<|im_start|>"):
+        assert tok.convert_tokens_to_ids(name) == kept.index(qwen_tokenizer.convert_tokens_to_ids(name))
+    assert cfg["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg["pad_token_id"] == cfg["bos_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+    # a footprints prompt (a game of each split, with the episode's history) and a response: Qwen3's pieces exactly
+    env = FootprintsEnv(pool_size={"train": 4, "valid": 4, "test": 4})
+    ours, qwen = PromptTokenizer(tok, True), PromptTokenizer(qwen_tokenizer, True)
+    for split in ("train", "valid", "test"):
+        task = env.task_pool(split)[3]
+        obs, hist = env.reset(task), []
+        for action in env.walkthrough():
+            prompt = env.build_prompt(hist, obs, 1)
+            a, q = ours.encode(prompt), qwen.encode(prompt)
+            assert [kept[i] for i in a[0]] == q[0] and a[1:] == q[1:]
+            hist.append((obs, action))
+            obs = env.step(action)[0]
+    resp = "<think>I will open the purple door.</think>\n<action>open purple door</action>"
+    assert [kept[i] for i in tok(resp)["input_ids"]] == qwen_tokenizer(resp)["input_ids"]
+    # any other text still encodes, through smaller pieces, and decodes back
+    other = "Zebras quietly ünïcödé 🙂 {json: 12345}"
+    ids = tok(other)["input_ids"]
+    assert tok.decode(ids) == other and len(ids) > len(qwen_tokenizer(other)["input_ids"])
+    model = load_model(path)
+    logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), cfg["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_footprints_vocab_is_closed_under_its_merges(qwen_tokenizer):
+    from tokenizers import pre_tokenizers
+
+    from opid_mega.models import FOOTPRINTS_VOCAB
+
+    spec = json.loads((qwen_tokenizer_dir() / "tokenizer.json").read_text())
+    kept = set(json.loads(FOOTPRINTS_VOCAB.read_text())["qwen_ids"])
+    inv = {i: p for p, i in spec["model"]["vocab"].items()}
+    pieces = {inv[i] for i in kept if i in inv}
+    assert set(pre_tokenizers.ByteLevel.alphabet()) <= pieces  # every byte: any text encodes
+    assert {a["id"] for a in spec["added_tokens"]} <= kept
+    made_by = {}
+    for m in spec["model"]["merges"]:
+        a, b = m if isinstance(m, list) else m.split(" ", 1)
+        made_by.setdefault(a + b, (a, b))
+    for p in pieces:
+        if len(p) > 1:  # a kept piece's first merge has both its parts kept
+            assert set(made_by[p]) <= pieces, p
