@@ -1,5 +1,6 @@
 """The mechanism experiment's pieces (tools/mechanism.py, the negative control's analysis shuffle, the
 skill-reading warm start's samples, the env's info metrics), with hand-worked expected values."""
+import json
 import sys
 from pathlib import Path
 
@@ -278,9 +279,10 @@ def test_archive_keeps_the_trained_warm_start_record(tmp_path):
     assert (dest / "warm_start.json").read_text() == '{"path": "/sft", "wall_s": 370.0}\n'
 
 
-def test_committed_warm_start_round_trip(tmp_path):
-    # opid-sft's directory -> the committed files (weights, config, record; not the tokenizer) -> a complete model
-    # directory with the built-in model's tokenizer files, and the same weights hash
+def test_committed_warm_start_round_trip(tmp_path, monkeypatch):
+    # opid-sft's directory -> the committed files (weights, config, record, the tokenizer's fingerprint; not the
+    # tokenizer) -> a complete model directory with the built-in model's tokenizer files, and the same weights hash
+    monkeypatch.setattr(mechanism, "tokenizer_fingerprint", lambda d: (Path(d) / "tokenizer.json").read_text())
     sft, base, dest = tmp_path / "sft", tmp_path / "base", tmp_path / "committed"
     for d, files in ((sft, {"config.json": "{sft cfg}", "generation_config.json": "{gen}", "sft.json": "{rec}",
                             "model.safetensors": "sft weights", "tokenizer.json": "{tok}", ".opid_sft_complete": "k"}),
@@ -293,7 +295,8 @@ def test_committed_warm_start_round_trip(tmp_path):
     assert mechanism.commit_warm_start(sft, dest) == ["config.json", "generation_config.json", "model.safetensors",
                                                        "sft.json"]
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                      "sft.json"]
+                                                      "sft.json", "tokenizer_fingerprint.json"]
+    assert (dest / "tokenizer_fingerprint.json").read_text() == '{"sha256_16": "{tok}"}\n'
     model = mechanism.assemble_warm_start(dest, base, tmp_path / "out" / "warm_start_model")
     assert sorted(p.name for p in model.iterdir()) == [".opid_sft_complete", "chat_template.jinja", "config.json",
                                                        "generation_config.json", "model.safetensors", "sft.json",
@@ -303,3 +306,40 @@ def test_committed_warm_start_round_trip(tmp_path):
     assert mechanism.weights_hash(model) == mechanism.weights_hash(sft) != mechanism.weights_hash(base)
     with pytest.raises(mechanism.ex.ExperimentError, match="no model.safetensors"):
         mechanism.commit_warm_start(base / "nothing", tmp_path / "d2")
+    # a built-in tokenizer that changed since the warm start was trained: refused, naming both fingerprints
+    (base / "tokenizer.json").write_text("{tok v2}")
+    with pytest.raises(mechanism.ex.ExperimentError, match=r"fingerprint \{tok v2\}\) is not the one .* \(\{tok\}\)"):
+        mechanism.assemble_warm_start(dest, base, tmp_path / "out2" / "warm_start_model")
+    assert not (tmp_path / "out2" / "warm_start_model").exists()
+
+
+def test_the_committed_warm_start_fits_todays_builtin_tokenizer(tmp_path):
+    # the committed weights' token ids are positions in opid_mega/data/footprints_vocab.json: a fresh build of the
+    # built-in model must give the tokenizer they were trained with, and the assembled directory loads and scores
+    import torch
+
+    from opid_mega.models import load_model, prepare_model
+
+    base = Path(prepare_model("tiny-qwen3-footprints", tmp_path / "models"))
+    want = json.loads((mechanism.WARM_DIR / "tokenizer_fingerprint.json").read_text())["sha256_16"]
+    assert mechanism.tokenizer_fingerprint(base) == want
+    model_dir = mechanism.assemble_warm_start(mechanism.WARM_DIR, base, tmp_path / "warm_start_model")
+    prereg = json.loads(mechanism.PREREG.read_text())
+    assert mechanism.weights_hash(model_dir) == prereg["warm_start"]["weights_sha256_16"]
+    logits = load_model(model_dir)(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[-1] == 896 and torch.isfinite(logits).all()
+
+
+def test_h2_t_intervals_hand_worked():
+    # finals with skills 0.5, 0.7, 0.6 (mean 0.6, sd 0.1), without 0.1, 0.2, 0.3 (mean 0.2, sd 0.1); differences 0.4,
+    # 0.5, 0.3 (mean 0.4, sd 0.1). t_{0.975, 2} = 4.302653: half width 4.302653 x 0.1 / sqrt(3) = 0.248414
+    seeds = {"1": {"final_with_skills": 0.5, "final": 0.1}, "2": {"final_with_skills": 0.7, "final": 0.2},
+             "3": {"final_with_skills": 0.6, "final": 0.3}, "4": {"final_with_skills": None, "final": 0.9}}
+    h2 = mechanism.h2_skill_grpo(seeds)
+    d = h2["with_minus_without"]
+    assert d["n"] == 3 and d["mean"] == pytest.approx(0.4) and d["sd"] == pytest.approx(0.1)
+    assert (d["low"], d["high"]) == (pytest.approx(0.4 - 0.248414, abs=1e-6), pytest.approx(0.4 + 0.248414, abs=1e-6))
+    assert h2["final_without_skills"]["mean"] == pytest.approx(0.2)
+    assert h2["final_with_skills"]["low"] == pytest.approx(0.6 - 0.248414, abs=1e-6)
+    assert mechanism.t_interval([0.3]) == {"n": 1, "mean": 0.3}
+    assert "95% t interval [+0.152, +0.648]" in mechanism.h2_lines(h2)

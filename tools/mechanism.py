@@ -121,8 +121,21 @@ WARM_DIR = ARCHIVE / "warm_start"
 WARM_FILES = ("config.json", "generation_config.json", "model.safetensors", "sft.json")
 
 
+TOKENIZER_FINGERPRINT = "tokenizer_fingerprint.json"
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """sha256 (16 hex digits) of a model directory's tokenizer: its piece -> id map. The committed warm start's ids
+    mean something only with the tokenizer it was trained with."""
+    from opid_mega.models import load_tokenizer
+
+    vocab = sorted(load_tokenizer(str(model_dir)).get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def commit_warm_start(warm: Path, dest: Path = WARM_DIR) -> list:
-    """Copies the warm start's WARM_FILES into DEST (committed with the pre-registration); the files copied."""
+    """Copies the warm start's WARM_FILES into DEST (committed with the pre-registration) and writes its tokenizer's
+    fingerprint there; the files copied."""
     import shutil
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -133,6 +146,7 @@ def commit_warm_start(warm: Path, dest: Path = WARM_DIR) -> list:
             copied.append(name)
     if "model.safetensors" not in copied:
         raise ex.ExperimentError(f"the warm start {warm} has no model.safetensors")
+    (dest / TOKENIZER_FINGERPRINT).write_text(json.dumps({"sha256_16": tokenizer_fingerprint(warm)}) + "\n")
     return copied
 
 
@@ -154,6 +168,14 @@ def assemble_warm_start(src: Path, base: Path, target: Path) -> Path:
     for name in WARM_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, tmp / name)
+    if (src / TOKENIZER_FINGERPRINT).exists():
+        want = json.loads((src / TOKENIZER_FINGERPRINT).read_text())["sha256_16"]
+        got = tokenizer_fingerprint(tmp)
+        if got != want:
+            shutil.rmtree(tmp)
+            raise ex.ExperimentError(f"the tokenizer of {base} (fingerprint {got}) is not the one the committed warm "
+                                     f"start {src} was trained with ({want}): opid_mega/data/footprints_vocab.json "
+                                     "changed since")
     (tmp / ".opid_sft_complete").write_text(f"committed warm start {src}\n")
     if target.exists():
         shutil.rmtree(target)
@@ -768,6 +790,30 @@ def paired_tests(diffs: Sequence[float]) -> dict:
     return out
 
 
+def t_interval(values: Sequence[float], level: float = 0.95) -> dict:
+    """Mean and two-sided Student-t confidence interval (n - 1 degrees of freedom) of VALUES."""
+    from scipy import stats
+
+    n = len(values)
+    if n == 0:
+        return {"n": 0}
+    mean = sum(values) / n
+    if n < 2:
+        return {"n": n, "mean": mean}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "level": level, "low": mean - half, "high": mean + half}
+
+
+def h2_skill_grpo(by_seed: dict) -> dict:
+    """H2, descriptive: skill_grpo's final held-out success with skills, without, and their paired difference (with
+    minus without), each with its 95% t interval."""
+    both = [v for v in by_seed.values() if v.get("final_with_skills") is not None]
+    return {"final_with_skills": t_interval([v["final_with_skills"] for v in both]),
+            "final_without_skills": t_interval([v["final"] for v in both]),
+            "with_minus_without": t_interval([v["final_with_skills"] - v["final"] for v in both])}
+
+
 # The small records of OUT that are committed (runs/ is not: a new machine starts without it): the warm start's
 # record, the probe, the λ calibration, the lr guard, the eval-only starts and each run's metrics and idle record.
 ARCHIVED = ("warm_start.json", "probe.json", "lr_guard.json", "lambda_calibration/lambda.json", "eval0/seed*.json",
@@ -872,6 +918,16 @@ def results_table(arms: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def h2_lines(h2: dict) -> str:
+    def one(name, t):
+        if t.get("low") is None:
+            return f"- {name}: n = {t['n']}" + (f", mean {t['mean']:.3f}" if "mean" in t else "")
+        return f"- {name}: n = {t['n']}, mean {t['mean']:+.3f}, 95% t interval [{t['low']:+.3f}, {t['high']:+.3f}]"
+
+    return ("\nH2 (descriptive): skill_grpo's final held-out success with and without skills at evaluation:\n\n"
+            + "\n".join(one(k, v) for k, v in h2.items()) + "\n")
+
+
 def cmd_report(out: Path) -> dict:
     if not PREREG.exists():
         raise ex.ExperimentError(f"no {PREREG}: nothing was pre-registered")
@@ -926,8 +982,9 @@ def cmd_report(out: Path) -> dict:
             tests[f"auc_{extra_arm}_vs_grpo"] = paired(extra_arm)
     diffs = [abs(t.get("mean", 0.0)) for k, t in tests.items() if k.startswith(("primary", "final_opid_rule"))]
     verdict_budget = "budget too small" if diffs and max(diffs) < 0.1 else None
+    h2 = h2_skill_grpo(arms["skill_grpo"]) if "skill_grpo" in arms else None
     results = {"prereg": PREREG.name, "prereg_lambda": prereg["lambda"], "rollouts_per_iteration": per_iter,
-               "arms": arms, "tests": tests, "missing_runs": missing, "reach_threshold": REACH,
+               "arms": arms, "tests": tests, "h2_skill_grpo": h2, "missing_runs": missing, "reach_threshold": REACH,
                "decision_rule_budget": verdict_budget}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     table = results_table(arms)
@@ -944,6 +1001,7 @@ def cmd_report(out: Path) -> dict:
     RESULTS_MD.write_text("# Mechanism experiment: results (written by `python tools/mechanism.py report`)\n\n"
                           f"λ = {prereg['lambda']} (pre-registered). Mean ± sample sd over seeds.\n\n" + table
                           + "\nPaired tests (pre-registered: one-sided, α 0.05):\n\n" + "\n".join(test_lines) + "\n"
+                          + (h2_lines(h2) if h2 else "")
                           + (f"\nMissing runs (seed, arm): {missing}\n" if missing else "")
                           + (f"\nDecision rule: {verdict_budget} (no arm moved held-out success by 0.1).\n"
                              if verdict_budget else ""))
