@@ -225,6 +225,7 @@ def test_bench_train_attention_tiny_preset_end_to_end():
     assert out["config"]["tokens"] == sum(out["config"]["seq_lens"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the TE / flash-attn varlen kernels need a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_varlen_kernels_match_the_reference(mp1, dtype):

@@ -252,6 +252,7 @@ def test_model_through_the_torch_varlen_call(mp1, tmp_path, monkeypatch, api):
         _compare(lp, grads, lp_ref, grads_ref)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen_attn (flash) needs a CUDA GPU")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpu_torch_varlen_attn_matches_the_reference(layout):
