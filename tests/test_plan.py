@@ -218,6 +218,7 @@ def _rank_worker(tiny, over, hf_dir, out_dir):
         parallel.destroy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2"],
                                     ["parallel.tp=1", "parallel.pp=2", "train.distributed_optimizer=true"]],
                          ids=["tp2pp2", "pp2dp2-distopt"])

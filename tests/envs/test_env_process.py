@@ -104,7 +104,6 @@ def test_bad_options_fail_at_start():
         make_env("alfworld", process=True, source="nope")
 
 
-@pytest.mark.slow
 def test_alfworld_processes_in_parallel(alfworld_cache):
     envs = [make_env("alfworld", process=True, source="generated", cache_dir=alfworld_cache, pool_size=8)
             for _ in range(2)]
@@ -176,6 +175,7 @@ def test_textworld_and_alfworld_run_in_a_worker_by_default(tmp_path):
             make_env("textworld", cache_dir=str(tmp_path), **bad)
 
 
+@pytest.mark.slow
 def test_stuck_textworld_step_returns_within_the_deadline(textworld_cache):
     """The real hang (jericho on "\\x00\\x01\\x02"): the step returns at the deadline, the worker is killed, the
     next reset runs in a fresh worker and the game is played to a win; nothing is left after close."""

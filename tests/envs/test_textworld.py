@@ -43,7 +43,6 @@ def test_clean_observation():
     assert clean_observation(end) == "You win."
 
 
-@pytest.mark.slow
 def test_walkthrough_wins(env):
     for task in env.task_pool("train"):
         obs = env.reset(task)
@@ -72,7 +71,6 @@ def test_walkthrough_wins(env):
         assert f"Action {len(plan)}: '{plan[-1]}'" in prompt and f"Action {len(plan) - 1}:" not in prompt
 
 
-@pytest.mark.slow
 def test_cache_files_and_reuse(env, textworld_cache):
     task = env.task_pool("train")[0]
     path = env.game_path(task)
@@ -194,7 +192,6 @@ def test_fuzz_any_string_is_an_action(coin_env):
     check()
 
 
-@pytest.mark.slow
 def test_threads(env, textworld_cache):
     tasks = env.task_pool("train")
     results, errors = [], []
@@ -218,7 +215,6 @@ def test_threads(env, textworld_cache):
     assert not errors and results == [True] * 4
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("challenge", ["simple", "cooking"])
 def test_other_challenges_generate_and_win(textworld_cache, challenge):
     e = _env(textworld_cache, challenges=[challenge], pool_size={"test": 1})

@@ -443,6 +443,7 @@ def test_example_refuses_bad_flags_and_layouts_before_starting(monkeypatch, caps
         assert err.startswith("megatron_lm_opid: ") and all(t in err for t in texts), err
 
 
+@pytest.mark.slow
 def test_example_trains_two_steps(single_run):
     out, found, ckpt, init = single_run
     assert f"loaded model weights from {init}/step_0" in out

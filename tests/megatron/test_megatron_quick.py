@@ -255,6 +255,7 @@ def test_logprobs_and_ppo_forward_at_the_sampling_temperature(mp1, tmp_path):
     assert abs(m1["approx_kl"]) > 1e-4
 
 
+@pytest.mark.slow
 def test_cpu_compat_keeps_hf_loading_intact_and_is_removable(tmp_path):
     """In a fresh process: after cpu_compat.apply(), an HF model loads with correct RoPE buffers, megatron-style
     device="cuda" factories land on the CPU, and remove() restores torch."""

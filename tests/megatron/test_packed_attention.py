@@ -215,6 +215,7 @@ def test_train_recompute_config_key_reaches_the_policy_model(mp1, tmp_path):
     assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "uniform", 1)
 
 
+@pytest.mark.slow
 def test_bench_train_attention_tiny_preset_end_to_end():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_train_attention.py"), "--preset", "tiny",
                         "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)

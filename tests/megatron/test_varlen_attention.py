@@ -280,6 +280,7 @@ def test_gpu_torch_varlen_attn_matches_the_reference(layout):
         _close(x.grad, gr, rel=2e-2, what=f"d{name}")
 
 
+@pytest.mark.slow
 def test_bench_train_attention_fork_tiny_preset_end_to_end():
     """tools/bench_train_attention.py on a small fork layout: the three paths (dense mask, per-group loop, varlen)
     each in its own process, with the contract keys."""

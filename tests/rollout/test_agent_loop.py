@@ -295,6 +295,7 @@ def test_env_step_timeout_config_reaches_the_loop(qwen_tokenizer):
         load_config(overrides=["env.step_timeout_s=0"])
 
 
+@pytest.mark.slow
 def test_a_stuck_textworld_step_ends_its_trajectory_and_the_slot_gets_a_fresh_worker(qwen_tokenizer, tmp_path):
     """The real jericho hang ("\x00\x01\x02" sent to the game with admissible_only=False) in a TextWorld worker
     process (the default): that trajectory ends at the deadline as a counted env error, the others win, the next

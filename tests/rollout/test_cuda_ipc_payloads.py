@@ -58,6 +58,7 @@ def test_the_cpu_branch_is_unchanged(fake_sglang):
     assert len(body["serialized_named_tensors"]) == 2  # shared-memory handles: one payload, sent to each rank
 
 
+@pytest.mark.slow
 def test_the_real_patch_breaks_cpu_pickling_so_it_stays_on_the_cuda_branch():
     pytest.importorskip("sglang")
     code = ("import torch\nfrom sglang.srt.utils.patch_torch import monkey_patch_torch_reductions\n"

@@ -117,7 +117,6 @@ class _CrashingEnv:
         raise RuntimeError("simulator crashed")
 
 
-@pytest.mark.slow
 def test_crashing_env_then_dying_engine(tiny_cfg, tmp_path):
     """Iteration 1: one env raises -> only its trajectory ends (marked failed), the run goes on and checkpoints.
     Iteration 2: the engine dies -> a clear error naming the last checkpoint."""
