@@ -14,11 +14,6 @@ from .conftest import CONFIG, TINY
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
 
 
-def _train(args, timeout=600):
-    cmd = [sys.executable, "-m", "opid_mega.cli"] + args
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
 def _metrics(run_dir):
     from opid_mega.metrics import read_metrics
 
@@ -65,14 +60,16 @@ DETERMINISTIC = ("train/", "adv/", "analysis/", "ppo/", "rollout/", "eval/")
 @pytest.mark.slow
 def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
     args = TINY + ["train.iterations=3", "train.save_interval=1"]
+    one_thread = {**ENV, "OMP_NUM_THREADS": "1"}  # the uninterrupted and the killed run side by side, a core each
     ref = tmp_path / "ref"
-    r = _train(["--config", CONFIG, "--run-dir", str(ref)] + args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    with open(tmp_path / "ref.stderr", "w") as ref_err:
+        ref_proc = subprocess.Popen([sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(ref)]
+                                    + args, env=one_thread, stdout=subprocess.DEVNULL, stderr=ref_err)
 
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + args
     # Its own process group, so the kill also takes the run's helper processes (megatron's checkpoint writer).
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=one_thread, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     latest = run / "checkpoints" / "latest_step"
     deadline = time.time() + 400
@@ -86,7 +83,9 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
     proc.wait(timeout=30)
     assert latest.read_text().strip() in ("1", "2")
 
-    r = _train(["--resume", str(run)])
+    assert ref_proc.wait(timeout=600) == 0, (tmp_path / "ref.stderr").read_text()[-3000:]
+    r = subprocess.run([sys.executable, "-m", "opid_mega.cli", "--resume", str(run)], env=one_thread,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     # train.log: the killed start's console and the resume's, appended (a header line per start)
     log = (run / "train.log").read_text().splitlines()

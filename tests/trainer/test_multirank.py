@@ -14,13 +14,21 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 ARGS = TINY + ["train.iterations=2", "eval.interval=1", "eval.num_tasks=1", "train.mini_batch_size=16"]
 
 
-def _train(config: str, run_dir, args, nproc: int = 1):
-    """opid-train on configs/<config> into run_dir (torchrun with nproc ranks when nproc > 1); fails with its stderr."""
+def _start(config: str, run_dir, args, nproc: int = 1) -> subprocess.Popen:
+    """opid-train on configs/<config> into run_dir (torchrun with nproc ranks when nproc > 1), one thread a rank."""
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     cmd = [sys.executable, *launcher, "-m", "opid_mega.cli", "--config", os.path.join(ROOT, "configs", config),
            "--run-dir", str(run_dir)] + list(args)
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420)
-    assert r.returncode == 0, r.stderr[-4000:]
+    with open(f"{run_dir}.stderr", "w") as err:  # a file, not a pipe: no run waits on another's reader
+        return subprocess.Popen(cmd, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _train_side_by_side(*runs):
+    """Start every (config, run_dir, args, nproc) at once (each rank single-threaded, so they share the cores without
+    spinning) and wait for all; fails with the stderr of a run that failed."""
+    procs = [_start(*run) for run in runs]
+    for p, (_, run_dir, _, _) in zip(procs, runs):
+        assert p.wait(timeout=420) == 0, open(f"{run_dir}.stderr").read()[-4000:]
 
 
 @pytest.mark.slow
@@ -28,8 +36,7 @@ def test_tp2pp2_matches_single_process(tmp_path):
     from opid_mega.metrics import read_metrics
 
     multi, single = tmp_path / "tp2pp2", tmp_path / "tp1"
-    _train("tiny_cpu_tp2pp2.yaml", multi, ARGS, nproc=4)
-    _train("tiny_cpu.yaml", single, ARGS)
+    _train_side_by_side(("tiny_cpu_tp2pp2.yaml", multi, ARGS, 4), ("tiny_cpu.yaml", single, ARGS))
     m, s = read_metrics(multi), read_metrics(single)
     assert [x["step"] for x in m] == [0, 1, 2]
     assert m[1]["rollout/logprob_mismatch"] < 1e-4 and abs(m[1]["ppo/approx_kl_first"]) < 1e-6
@@ -51,8 +58,7 @@ def test_dp2_shards_the_batch_and_matches_single_process(tmp_path):
 
     args = TINY + ["train.iterations=1", "train.save_interval=0", "rollout.group_size=4", "train.mini_batch_size=16"]
     dp2, single = tmp_path / "dp2", tmp_path / "single"
-    _train("tiny_cpu.yaml", dp2, args, nproc=2)
-    _train("tiny_cpu.yaml", single, args)
+    _train_side_by_side(("tiny_cpu.yaml", dp2, args, 2), ("tiny_cpu.yaml", single, args))
     (m,), (s,) = read_metrics(dp2), read_metrics(single)
     assert m["train/step_samples"] == s["train/step_samples"] >= 4
     assert m["rollout/logprob_mismatch"] < 1e-4 and abs(m["ppo/approx_kl_first"]) < 1e-6
@@ -72,8 +78,7 @@ def test_divergence_signal_and_distillation_tp2pp2_match_single_process(tmp_path
                    "algo.delta=topk_kl", "algo.delta_topk=8", "algo.distill_coef=0.5", "algo.lambda_episode=0.1",
                    "algo.lambda_step=0.1"]
     multi, single = tmp_path / "tp2pp2", tmp_path / "tp1"
-    _train("tiny_cpu_tp2pp2.yaml", multi, args, nproc=4)
-    _train("tiny_cpu.yaml", single, args)
+    _train_side_by_side(("tiny_cpu_tp2pp2.yaml", multi, args, 4), ("tiny_cpu.yaml", single, args))
     (m,), (s,) = read_metrics(multi), read_metrics(single)
     assert s["adv/skill_abs_mean"] > 0 and s["ppo/distill_kl"] > 1e-4  # both signals are there to compare
     for k in ("train/step_samples", "adv/outcome_abs_mean", "adv/skill_abs_mean", "ppo/distill_kl", "ppo/entropy"):
