@@ -206,6 +206,8 @@ def run_case(chunks, dims, shape, n_samples, repeats, seed=0):
     res_n, res_f = naive.score(reqs), fork.score(reqs)  # warm-up (and the equivalence check below)
     diff = max(max((a.orig - b.orig).abs().max().item(), (a.skill["episode"] - b.skill["episode"]).abs().max().item())
                for a, b in zip(res_n, res_f))
+    # the magnitude the log-probs are rounded at (a tolerance for max_abs_diff scales with it): the largest |log-prob|
+    scale = max(max(a.orig.abs().max().item(), a.skill["episode"].abs().max().item()) for a in res_n)
     times = {"naive": [], "fork": []}
     mem = {}
     for _ in range(repeats):
@@ -224,7 +226,7 @@ def run_case(chunks, dims, shape, n_samples, repeats, seed=0):
     bound = f_naive / f_fork
     measured = med["naive"] / med["fork"]
     return dict(shape, samples=n_samples, naive_tokens=naive.last_tokens, fork_tokens=fork.last_tokens,
-                shared_fraction=round(fork.last_shared_fraction, 4), max_abs_diff=diff,
+                shared_fraction=round(fork.last_shared_fraction, 4), max_abs_diff=diff, logprob_scale=scale,
                 seconds={k: round(x, 4) for k, x in med.items()},
                 tokens_per_s={"naive": round(naive.last_tokens / med["naive"], 1),
                               "fork": round(naive.last_tokens / med["fork"], 1)},

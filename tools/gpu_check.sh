@@ -143,8 +143,8 @@ else
 fi
 
 # ---- kernels
-if [ $DRY -eq 1 ]; then  # the interpreter runs Triton on the CPU: one test file of each kernel family
-  KT=(tests/kernels/test_kernel_logprob.py tests/kernels/test_kernel_dispatch_env.py)
+if [ $DRY -eq 1 ]; then  # the stage's plumbing only: the test suite runs every kernel file under the interpreter
+  KT=(tests/kernels/test_kernel_dispatch_env.py)
   P_LOGPROB=ci P_DIV=tiny P_RESCORE=tiny TINY=--tiny
 else
   KT=(tests/kernels)
