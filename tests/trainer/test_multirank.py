@@ -27,8 +27,8 @@ def _train_side_by_side(*runs):
     """Start every (config, run_dir, args, nproc) at once (each rank single-threaded, so they share the cores without
     spinning) and wait for all; fails with the stderr of a run that failed."""
     procs = [_start(*run) for run in runs]
-    for p, (_, run_dir, _, _) in zip(procs, runs):
-        assert p.wait(timeout=420) == 0, open(f"{run_dir}.stderr").read()[-4000:]
+    for p, run in zip(procs, runs):
+        assert p.wait(timeout=420) == 0, open(f"{run[1]}.stderr").read()[-4000:]
 
 
 @pytest.mark.slow
