@@ -75,11 +75,12 @@ def test_cli_good_and_bad(tmp_path):
                       ("[1, 2]\n", str(bad))]:
         bad.write_text(text)
         r = run_cli(str(bad))
-        assert r.returncode != 0 and r.stdout == ""
+        assert r.returncode == 2 and r.stdout == ""  # a ConfigError: exit 2, one "config error: " line
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and key in lines[0], r.stderr
-    r = run_cli(str(tmp_path / "missing.yaml"))
-    assert r.returncode != 0 and "not found" in r.stderr
+        assert len(lines) == 1 and lines[0].startswith("config error: ") and key in lines[0], r.stderr
+    missing = tmp_path / "missing.yaml"
+    r = run_cli(str(missing))
+    assert r.returncode == 2 and r.stderr == f"config error: {missing}: config file not found\n", r.stderr
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))

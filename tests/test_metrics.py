@@ -3,6 +3,7 @@ import json
 import math
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -21,18 +22,22 @@ def _random_metrics(rng):
 def test_jsonl_round_trip(tmp_path):
     rng = random.Random(0)
     written = []
+    t_start = time.time()
     with MetricsLogger(tmp_path, tensorboard=False, progress=False) as log:
         for step in range(1, 6):
             m = _random_metrics(rng)
             written.append(m)
             rec = log.log(step, m)
             assert rec["step"] == step
+    t_end = time.time()
     recs = read_metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     for r, m in zip(recs, written):
         for k, v in m.items():
             assert r[k] == v  # json round-trips Python floats exactly
-        assert r["elapsed_s"] >= 0 and r["time"] > 1e9
+        # the clock fields: the unix time of the call, the seconds since the logger started (both within the run)
+        assert t_start <= r["time"] <= t_end and 0 <= r["elapsed_s"] <= t_end - t_start
+    assert [r["elapsed_s"] for r in recs] == sorted(r["elapsed_s"] for r in recs)
     # exactly one line per log call
     assert len((tmp_path / METRICS_FILE).read_text().splitlines()) == 5
 
@@ -70,18 +75,25 @@ def test_resume_truncates_later_steps_and_torn_line(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False, progress=False) as log:
         for step in range(1, 8):
             log.log(step, _random_metrics(rng))
+    # the killed run took 100 s per step (written here: far above anything this test's own clock reaches)
+    lines = [{**json.loads(line), "elapsed_s": 100.0 * (k + 1)}
+             for k, line in enumerate((tmp_path / METRICS_FILE).read_text().splitlines())]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
     before = read_metrics(tmp_path)
     with open(tmp_path / METRICS_FILE, "a") as f:  # a run killed mid-write
         f.write('{"step": 8, "train/succ')
     # resume from the checkpoint of step 4: steps 5..8 are replayed, so their lines must go
+    t_resume = time.time()
     with MetricsLogger(tmp_path, tensorboard=False, progress=False, resume_step=4) as log:
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
         log.log(5, {"train/success_rate": 0.75})
+    t_end = time.time()
     after = read_metrics(tmp_path)
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
     assert after[:4] == before[:4]
     assert after[4]["train/success_rate"] == 0.75
-    assert after[4]["elapsed_s"] >= before[3]["elapsed_s"]  # wall time continues
+    # wall time continues from the kept step 4 (400 s), plus this logger's own seconds
+    assert 400.0 <= after[4]["elapsed_s"] <= 400.0 + (t_end - t_resume)
 
 
 def test_fresh_run_moves_old_metrics_aside(tmp_path):
@@ -112,16 +124,18 @@ def test_tensorboard_and_progress(tmp_path, capsys):
 
 
 def test_timer_accumulates_and_pops():
+    clock = iter([10.0, 11.0, 20.0, 22.5, 30.0, 30.25])  # perf_counter at each stage's start and end
     timer = Timer()
-    with timer("rollout"):
-        time.sleep(0.01)
-    with timer("rollout"):
-        time.sleep(0.01)
-    with timer("update"):
-        pass
+    with pytest.MonkeyPatch.context() as mp:  # the module's clock only (not time.perf_counter for everyone)
+        mp.setattr("opid_mega.metrics.time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+        with timer("rollout"):
+            pass
+        with timer("rollout"):
+            pass
+        with timer("update"):
+            pass
     m = timer.pop()
-    assert set(m) == {"time/rollout", "time/update"}
-    assert m["time/rollout"] >= 0.02 and m["time/update"] >= 0
+    assert m == {"time/rollout": 1.0 + 2.5, "time/update": 0.25}  # a repeated stage adds up
     assert timer.pop() == {}
     calls = []
     t2 = Timer(sync=lambda: calls.append(1))

@@ -1,12 +1,12 @@
 """The run directory as a contract (opid_mega.rundir, opid_mega.jsonl), without a trainer: torn JSONL repair, the audit
 log's resume, atomic config.yaml, the strict config read, the refusals of opid-train's command line, the lock, the
 weight-sync directory. The trainer-level fault tests are tests/trainer/test_run_integrity.py."""
+import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -232,15 +232,19 @@ time.sleep(600)
 """
 
 
-def test_the_lock_refuses_a_second_trainer_naming_the_holder(tmp_path, cli):
+def test_the_lock_refuses_a_second_trainer_naming_the_holder(tmp_path, cli, monkeypatch):
     d = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(d)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        t0 = time.monotonic()
-        with pytest.raises(rundir.RunDirError, match=rf"in use by another trainer \(pid {holder.pid} on "):
-            rundir.RunLock(d)
-        assert time.monotonic() - t0 < 5  # at once, no waiting
+        attempts = []
+        lockf = rundir.fcntl.lockf
+        with monkeypatch.context() as m:
+            m.setattr(rundir.fcntl, "lockf", lambda fd, op, *a: (attempts.append(op), lockf(fd, op, *a))[1])
+            with pytest.raises(rundir.RunDirError, match=rf"in use by another trainer \(pid {holder.pid} on "):
+                rundir.RunLock(d)
+        # at once, no waiting: one non-blocking attempt, refused while the holder still runs
+        assert attempts == [fcntl.LOCK_EX | fcntl.LOCK_NB] and holder.poll() is None
         r = cli("--config", CONFIG, "--run-dir", str(d))
         assert r.returncode == 2 and f"pid {holder.pid}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     finally:

@@ -63,10 +63,10 @@ def _child(tmp_path, block: bool, grace: float = 2.0, preexec=None):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_takes_the_interrupt_path_and_stops_the_groups(tmp_path, sig):
     proc, group, plain = _child(tmp_path, block=False, grace=30.0)
-    t0 = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + sig and time.monotonic() - t0 < 15
+    # the interrupt path's one line, not the watchdog's ("still running 30 s after the signal"): no waiting
+    assert proc.returncode == 128 + sig
     assert err.strip().splitlines() == [f"child: stopped by {signal.Signals(sig).name}"]
     assert not _alive(group) and not _alive(plain)
 
@@ -103,7 +103,9 @@ def test_watchdog_ends_a_process_whose_main_thread_is_blocked(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 128 + signal.SIGTERM and 2.0 <= elapsed < 2.0 + 15
+    # the watchdog after its 2 s grace (not before); the upper bound only catches a wait far past it (the child's
+    # sleep ends after 60 s with exit 5)
+    assert proc.returncode == 128 + signal.SIGTERM and 2.0 <= elapsed < 30.0
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("child: SIGTERM: still running 2 s after the signal"), lines
     assert not _alive(group) and not _alive(plain)

@@ -18,7 +18,9 @@ freed tensor buffers go back to the OS. Times: median over repeats after one war
 
 The JSON holds every case under "cases"; its top-level "peak_bytes" {"naive", "fused"}, "seconds" and
 "peak_ratio" are those of the fwd+bwd case (the heaviest); "tp2_vs_tp1" (CPU presets): the fused path split over
-the vocabulary on 2 gloo processes against one process, max abs difference of every output and gradient.
+the vocabulary on 2 gloo processes against one process, max abs difference of every output and gradient. Beside
+every max abs diff, "scale": per key the magnitude it is rounded at (the reference's largest |value|; for a KL the
+largest |log-prob|), for a tolerance scaled to it.
 """
 from __future__ import annotations
 
@@ -83,8 +85,20 @@ def run_case(n, h, v, dtype_name, pass_, topk, device, repeats):
         diffs["grad_h_orig"] = (fgh.float() - ngh.float()).abs().max().item()
         diffs["grad_weight"] = (fgw.float() - ngw.float()).abs().max().item()
     case["max_abs_diff_vs_naive"] = diffs
+    case["scale"] = _scales(no, ngh if backward else None, ngw if backward else None, diffs)
     case["peak_ratio"] = case["peak_bytes"]["fused"] / max(1, case["peak_bytes"]["naive"])
     return case
+
+
+def _scales(out, grad_h, grad_w, keys) -> dict:
+    """Per compared key, the magnitude its rounding is set by (a tolerance for its max abs diff scales with it): the
+    largest |value| of the reference; for a KL (a difference of log-probs, itself small) at least the largest
+    |log-prob| of the two contexts."""
+    mag = {k: float(x.double().abs().max()) for k, x in out.items() if k != "topk_ids" and x.numel()}
+    if grad_h is not None:
+        mag["grad_h_orig"], mag["grad_weight"] = float(grad_h.double().abs().max()), float(grad_w.double().abs().max())
+    logp = max(mag["logp_skill"], mag["logp_orig"])
+    return {k: max(mag[k], logp) if k.startswith("kl_") else mag[k] for k in keys if k in mag}
 
 
 def _inputs(n, h, v, topk_unused=0):
@@ -144,7 +158,7 @@ def tp2_vs_tp1(n, h, v, topk):
         diffs["topk_ids_equal"] = bool(torch.equal(parts[0]["out"]["topk_ids"], one["topk_ids"]))
     diffs["grad_h_orig"] = (parts[0]["grad_h"] - gh).abs().max().item()
     diffs["grad_weight"] = (torch.cat([p["grad_w"] for p in parts]) - gw).abs().max().item()
-    return {"N": n, "H": h, "V": v, "topk": topk, "max_abs_diff": diffs}
+    return {"N": n, "H": h, "V": v, "topk": topk, "max_abs_diff": diffs, "scale": _scales(one, gh, gw, diffs)}
 
 
 def _mb(x):

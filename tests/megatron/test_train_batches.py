@@ -137,8 +137,10 @@ def test_overhead_benchmark_runs_and_both_paths_score_every_token(tmp_path):
     out = tmp_path / "o.json"
     res = bench.main(["--preset", "tiny", "--dp", "1", "--repeat", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == res
-    assert res["before_scored_tokens"] == res["after_scored_tokens"] > 0
-    assert res["before_s"] > 0 and res["after_s"] > 0 and res["step_samples"] == 20
+    # the tiny preset's iteration (1 task x 4 trajectories x 5 steps); dp 1: rank 0 scores every response token
+    seqs = bench.make_iteration(*bench.PRESETS["tiny"])[0]
+    assert res["step_samples"] == len(seqs) == 20 and res["tokens"] == sum(len(t) for t, _ in seqs)
+    assert res["before_scored_tokens"] == res["after_scored_tokens"] == sum(len(t) - p for t, p in seqs)
 
 
 # ------------------------------------------------------------------------------------ distillation (skill contexts)

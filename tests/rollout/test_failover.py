@@ -21,8 +21,10 @@ from opid_mega.rollout.fleet import FleetEngine
 from opid_mega.rollout.sglang_engine import SGLangEngine
 from sglang_fake import StrictSGLang
 
-# A loaded 2-core machine stretches every wait: the margins below are generous on purpose.
-MARGIN_S = 8.0
+# Time is the behaviour here (a request timeout or a rollout deadline fires): each check is "not before the limit"
+# where the limit is the test's own, and "well before a hang". A wedged server holds a request 120 s and the deadline
+# tests' request timeout is 60 s; HANG_S is far below both and >= 10x every limit here, so a 5x slower machine passes.
+HANG_S = 30.0
 
 
 def _results(req):
@@ -87,16 +89,16 @@ def test_a_wedged_server_leaves_rotation_within_the_request_timeout(servers):
     assert [r.response_ids for r in out] == WANT  # every prompt answered, in order, by the healthy server
     st = fleet.stats()
     print(f"fleet with a wedged server: {elapsed:.1f} s (request timeout {timeout} s); {st}")
-    assert timeout <= elapsed < timeout + MARGIN_S
+    assert timeout <= elapsed < HANG_S
     assert st["rollout/dead_servers"] == 1 and st["rollout/servers_alive"] == 1
     assert st["rollout/server1_prompts"] == len(PROMPTS) and "no reply within 2 s" in fleet.dead_servers()[wedged.url]
     # each chunk the wedged server got (they were in flight at once) timed out once and went to the other server:
     # none was retried on the wedged one
     assert wedged.calls >= 1 and st["rollout/retried_requests"] == 2 * wedged.calls
-    calls = wedged.calls
-    t0 = time.monotonic()
+    calls, retried = wedged.calls, st["rollout/retried_requests"]
     assert [r.response_ids for r in fleet.generate(PROMPTS, SamplingParams(max_new_tokens=2))] == WANT
-    assert time.monotonic() - t0 < timeout and wedged.calls == calls  # out of rotation: never asked again
+    # out of rotation: never asked again, so nothing timed out or was re-sent this time
+    assert wedged.calls == calls and fleet.stats()["rollout/retried_requests"] == retried
 
 
 def test_a_lone_wedged_server_is_one_clear_error_not_six_timeouts(servers):
@@ -107,7 +109,7 @@ def test_a_lone_wedged_server_is_one_clear_error_not_six_timeouts(servers):
     with pytest.raises(EngineError) as err:
         engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=2))
     elapsed = time.monotonic() - t0
-    assert 1.5 <= elapsed < 1.5 + MARGIN_S and wedged.calls == 1
+    assert 1.5 <= elapsed < HANG_S and wedged.calls == 1  # one timeout: not retried
     msg = str(err.value)
     assert "\n" not in msg and "no reply within 1.5 s (rollout.request_timeout_s)" in msg and wedged.url in msg
 
@@ -192,12 +194,12 @@ def test_the_rollout_deadline_cuts_a_call_short_and_is_no_server_failure(servers
     t0 = time.monotonic()
     with pytest.raises(RolloutDeadline):
         fleet.generate(PROMPTS, SamplingParams(max_new_tokens=2), deadline=time.monotonic() + 1.5)
-    assert time.monotonic() - t0 < 1.5 + MARGIN_S
+    assert 1.5 <= time.monotonic() - t0 < HANG_S  # at the deadline, not the 60 s request timeout
     assert fleet.stats()["rollout/dead_servers"] == 0  # a deadline is no server failure
     t0 = time.monotonic()
     with pytest.raises(RolloutDeadline):
         engines[0].generate(PROMPTS[:2], SamplingParams(max_new_tokens=2), deadline=time.monotonic() + 1.0)
-    assert time.monotonic() - t0 < 1.0 + MARGIN_S
+    assert 1.0 <= time.monotonic() - t0 < HANG_S
     with pytest.raises(RolloutDeadline):  # already past: nothing is sent
         engines[1].generate(PROMPTS[:2], SamplingParams(max_new_tokens=2), deadline=time.monotonic() - 1)
 
@@ -236,7 +238,7 @@ def test_agent_loop_ends_unfinished_trajectories_at_the_deadline(servers, qwen_t
     finally:
         loop.close()
     print(f"agent loop with the deadline at 3 s: {elapsed:.1f} s")
-    assert elapsed < 3.0 + MARGIN_S
+    assert 3.0 <= elapsed < HANG_S  # ended at the deadline, not by the 60 s request timeout
     first, *rest = batch.trajectories
     assert not first.deadline_failure and first.error is None and len(first.steps) == 1
     assert all(t.deadline_failure and not t.env_error and len(t.steps) == 1 for t in rest)

@@ -416,7 +416,8 @@ def test_deadline_ends_the_wait_aborts_in_flight_and_counts_failures(tmp_path):
         job = an.submit([_traj(i) for i in range(5)], iteration=7, deadline_s=1.5)
         out = job.result(timeout=60)
         elapsed = time.monotonic() - t0
-        assert out == [None] * 5 and 1.5 <= elapsed < 1.5 + 8.0  # slack for a loaded 2-core machine
+        # not before the deadline; the upper bound only catches a wait for the stalled replies (60 s stall timeout)
+        assert out == [None] * 5 and 1.5 <= elapsed < 30.0
         assert an.stats["deadline_failures"] == 5 and an.stats["failures"] == 5
         assert all("deadline: analyzer.deadline_s=1.5 s passed" in r.failure for r in job.records)
         for _ in range(100):  # the aborts are sent in the background
@@ -437,7 +438,11 @@ def test_deadline_ends_the_wait_aborts_in_flight_and_counts_failures(tmp_path):
 def test_probe_measures_and_finds_sglang():
     with serve(_sse("ready now, ok", pieces=4, gap_s=0.05)) as srv, _analyzer(srv.url) as an:
         p = an.probe()
-        assert p.sglang and an.sglang and p.tokens == 4 and p.tokens_per_s and p.tokens_per_s > 0
+        assert p.sglang and an.sglang and p.tokens == 4
+        # timed from the request's start: the first token before the end; a decode rate measured (4 tokens, spaced)
+        # and quoted
+        assert p.first_token_s is not None and 0 <= p.first_token_s <= p.seconds and p.tokens_per_s is not None
+        assert f"(4 tokens, ~{p.tokens_per_s:.1f} tokens/s alone" in p.describe(512)
         assert srv.bodies[0]["max_tokens"] == 16 and "rid" in srv.bodies[0]
         assert "answered the probe" in p.describe(512) and "512-token reply" in p.describe(512)
     with serve(_sse("ready"), sglang=False) as srv, _analyzer(srv.url) as an:
@@ -516,10 +521,8 @@ def test_concurrency_bound_respected():
 
 def test_background_job_overlaps_caller_work():
     with serve(_ok(delay=3.0)) as srv, _analyzer(srv.url) as an:
-        t0 = time.perf_counter()
         job = an.submit([_traj(0), _traj(1)], iteration=3)
-        assert time.perf_counter() - t0 < 2.0  # returned before the server answered (3 s; slack: a loaded machine)
-        assert not job.done()
+        assert not job.done()  # submit returned before the server answered (it waits 3 s)
         out = job.result(timeout=60)
         assert len(out) == 2 and job.done() and [r.traj_id for r in job.records] == ["t0", "t1"]
 
