@@ -216,10 +216,17 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path):
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     res = json.loads((out / "results.json").read_text())
     assert sorted(res["runs"]) == ["grpo", "opid"] and list(res["runs"]["grpo"]) == ["1"]
+    from opid_mega.metrics import read_metrics
+
     for arm in ("grpo", "opid"):
         run = res["runs"][arm]["1"]
         assert [s for s, _ in run["curve"]] == [0, 1, 2]  # held-out evaluations before training and after 1, 2
-        assert run["scoring_tokens"] > 0 and run["scoring_s"] > 0
+        # the per-iteration means of what the trainer logged in iterations 1 and 2 (read back here); every
+        # iteration scored its rollouts
+        train = [r for r in read_metrics(out / "runs" / arm / "seed1") if 1 <= r["step"] <= 2]
+        assert len(train) == 2 and all(r["scoring/tokens"] > 0 for r in train)
+        assert run["scoring_tokens"] == pytest.approx(sum(r["scoring/tokens"] for r in train) / 2)
+        assert run["scoring_s"] == pytest.approx(sum(r["time/scoring"] for r in train) / 2)
     assert res["runs"]["grpo"]["1"]["skill_share"] == 0.0
     # both arms start from the same warm start and evaluate the same held-out games with the same seed
     assert res["runs"]["grpo"]["1"]["curve"][0] == res["runs"]["opid"]["1"]["curve"][0]

@@ -32,8 +32,10 @@ JSON: nested objects, ``out["dense"]["peak_bytes"]``, ``out["varlen"]["step_s"]`
 ``dense.peak_bytes``, ``varlen.peak_bytes``, ``dense.step_s``, ``varlen.step_s`` of issue 13 as nested dicts), plus
 ``config``, ``varlen_memory_fraction`` (varlen / dense ``peak_bytes``), ``varlen_attention_memory_fraction``
 (varlen / dense ``attention_bytes``, issue 13's "attention memory"), ``speedup`` (dense / varlen step time) and
-``loop_speedup`` (loop / varlen step time). The parent process does not import torch; run it with the machine to
-itself (OMP_NUM_THREADS is respected).
+``loop_speedup`` (loop / varlen step time); per path ``digest``: for the output and dq, dk, dv,
+[sum(x * r), sum |x * r|] in float64 (r: the upstream gradient, or the input itself), so the paths' results can be
+compared. The parent process does not import torch; run it with the machine to itself (OMP_NUM_THREADS is
+respected).
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _worker(path: str, cfg: dict) -> dict:
         br = None if br_list is None else torch.tensor(br_list, dtype=torch.int32)
         return q, k, v, w, cu, br
 
-    def step(q, k, v, w, cu, br):
+    def forward(q, k, v, w, cu, br):
         if path == "dense":
             mask = fork_attention_mask(cu, br if br is not None else torch.zeros(q.shape[0], dtype=torch.int32))
             rep = heads // kv
@@ -120,7 +122,10 @@ def _worker(path: str, cfg: dict) -> dict:
             out = segment_attention(q, k, v, cu.tolist(), softmax_scale=scale, masks=masks)
         else:
             out = varlen_attention(q, k, v, packed_seq_params(cu, br), softmax_scale=scale)
-        out.backward(w)
+        return out
+
+    def step(q, k, v, w, cu, br):
+        forward(q, k, v, w, cu, br).backward(w)
         for x in (q, k, v):
             x.grad = None
 
@@ -146,8 +151,18 @@ def _worker(path: str, cfg: dict) -> dict:
         times.append(time.perf_counter() - t0)
     n = inputs[0].shape[0]
     interface = 4 * n * d * (2 * heads + 2 * kv)  # fp32 output, dq, dk, dv: what any exact attention allocates
+    # what the step computed, for comparing the paths (after the measured steps): per tensor sum(x * r) in float64
+    # against a fixed tensor r (the upstream gradient for the output, the input itself for its gradient) and
+    # sum |x * r|, the magnitude that sum is rounded at
+    q, k, v, w = inputs[:4]
+    out = forward(*inputs)
+    out.backward(w)
+    digest = {name: [float((x.double() * r.double()).sum()), float((x.double() * r.double()).abs().sum())]
+              for name, x, r in (("out", out.detach(), w), ("dq", q.grad, q.detach()), ("dk", k.grad, k.detach()),
+                                 ("dv", v.grad, v.detach()))}
     return {"peak_bytes": peak, "attention_bytes": peak - interface, "interface_bytes": interface,
-            "step_s": statistics.median(times) if times else first, "threads": torch.get_num_threads()}
+            "step_s": statistics.median(times) if times else first, "threads": torch.get_num_threads(),
+            "digest": digest}
 
 
 def main() -> None:

@@ -274,9 +274,10 @@ def test_ray_launch_names_the_failing_rank(tmp_path):
                         "--config", CONFIG, "--run-dir", str(blocker)] + TINY + ["deploy.gpus_per_node=2"],
                        env=BASE_ENV, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     print(f"ray, failing rank 0: {time.monotonic() - t0:.1f} s")
+    # exit 1 on rank 0's failure, not 124 after --timeout 300 ("still running after"): rank 1 was not waited for
     assert r.returncode == 1, r.stderr[-4000:]
     assert "ray_launch.py: rank 0 failed: FileExistsError" in r.stderr, r.stderr[-4000:]
-    assert "all 2 rank(s) finished" not in r.stderr and time.monotonic() - t0 < 250
+    assert "all 2 rank(s) finished" not in r.stderr and "still running after" not in r.stderr
 
 
 def test_ray_launch_stops_on_a_bad_layout_before_starting_ray(tmp_path):

@@ -164,4 +164,6 @@ def test_logprobs_cli_rejects_bad_input(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "opid_mega.megatron.logprobs_cli", "--model", str(tmp_path),
                            "--input", str(inp), "--out", str(tmp_path / "o.jsonl")],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "score_from=0 must be in [1, 3]" in proc.stderr
+    # refused before any rank starts: SystemExit's one line (exit 1) naming the file, the line and the bound
+    assert proc.returncode == 1 and proc.stderr == f"opid-logprobs: {inp}:1: score_from=0 must be in [1, 3]\n", \
+        proc.stderr

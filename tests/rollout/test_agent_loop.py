@@ -252,8 +252,15 @@ def test_reference_validity_is_recorded_and_the_extracted_action_runs(qwen_token
 
 
 class _HangingSearchQA(SearchQAEnv):
+    """A simulator stuck past env.step_timeout_s (an abandoned daemon thread: nobody waits) until the test releases
+    it (60 s at most); `stuck` / `returned` say whether its step began / ended."""
+
+    stuck, returned, release = threading.Event(), threading.Event(), threading.Event()
+
     def _step(self, action):
-        time.sleep(30)  # a simulator stuck past env.step_timeout_s (an abandoned daemon thread: nobody waits)
+        self.stuck.set()
+        self.release.wait(60)
+        self.returned.set()
         return super()._step(action)
 
 
@@ -266,11 +273,14 @@ def test_a_step_past_the_time_limit_ends_only_its_trajectory(qwen_tokenizer, sqa
             made.append(1)
             return _HangingSearchQA() if len(made) == 1 else SearchQAEnv()
 
+    for ev in (_HangingSearchQA.stuck, _HangingSearchQA.returned, _HangingSearchQA.release):
+        ev.clear()
     loop = AgentLoop(ScriptedEngine(qwen_tokenizer, WalkthroughPolicy(env, tasks)), qwen_tokenizer,
                      env_factory=factory, history_length=4, num_workers=4, step_timeout_s=0.5)
-    t0 = time.monotonic()
     batch = loop.run(tasks[:2], group_size=2, sampling=_sampling(loop, max_new_tokens=128))
-    assert time.monotonic() - t0 < 20  # the loop moved on: it did not wait for the 30 s step (slack: loaded machine)
+    # the loop moved on: the stuck step began and is still stuck (it ends only when released, here)
+    assert _HangingSearchQA.stuck.is_set() and not _HangingSearchQA.returned.is_set()
+    _HangingSearchQA.release.set()
     failed = [t for t in batch.trajectories if t.failed]
     assert len(failed) == 1 and failed[0].env_error and failed[0].length == 0
     assert failed[0].error.startswith("step 0: EnvTimeout: search_qa: step(") and "0.5 s" in failed[0].error
@@ -326,7 +336,9 @@ def test_a_stuck_textworld_step_ends_its_trajectory_and_the_slot_gets_a_fresh_wo
                      step_timeout_s=5.0)
     t0 = time.monotonic()
     batch = loop.run(tasks, group_size=3, sampling=_sampling(loop, max_new_tokens=128))
-    assert time.monotonic() - t0 < 5.0 + 30  # margin: 3 worker starts and the walkthroughs on a loaded machine
+    # only a hang guard (the game never returns): the 5 s step limit, not the 60 s default (3 worker starts and the
+    # walkthroughs take ~7 s here: 8x slack)
+    assert time.monotonic() - t0 < 60.0
     failed = [t for t in batch.trajectories if t.failed]
     assert [t.traj_id for t in failed] == [0] and failed[0].env_error and failed[0].length == 0
     assert failed[0].error.startswith("step 0: EnvTimeout: textworld: env worker process did not answer step(")

@@ -370,7 +370,8 @@ def test_client_fleet_routes_around_a_frozen_server(servers, reference):
     _assert_same(out, reference)
     assert st["rollout/dead_servers"] == 1 and "no reply within 8 s" in fleet.dead_servers()[victim.url]
     assert st["rollout/retried_requests"] > 0 and st["rollout/server0_prompts"] == len(out)
-    assert elapsed < timeout + 2 * alone + 30  # the timeout once, then the other server's work; loaded-machine slack
+    # about the timeout once, then the other server's work: the bound (5x that) only catches a hang on the frozen one
+    assert elapsed < 5 * (timeout + alone)
     deadline = time.monotonic() + 120
     while not victim.health() and time.monotonic() < deadline:  # thawed: it serves again for the next tests
         time.sleep(0.5)

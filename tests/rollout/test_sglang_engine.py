@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from opid_mega.rollout import sglang_engine
 from opid_mega.rollout.engine import EngineError, SamplingParams
 from opid_mega.rollout.sglang_engine import (CPU_SHIMS_DIR, SGLangEngine, build_server_command, free_port,
                                              serialize_named_tensors)
@@ -204,18 +205,28 @@ def _flaky_server(fake_sglang, fails):
     return server
 
 
-def test_transient_errors_are_retried_with_capped_backoff(fake_sglang):
+def test_transient_errors_are_retried_with_capped_backoff(fake_sglang, monkeypatch):
     flaky = _flaky_server(fake_sglang, fails=3)
     engine = SGLangEngine(url=flaky.url, backoff_s=0.05, backoff_max_s=0.1, max_retries=5)
-    t0 = time.perf_counter()
+    waits = []
+
+    class _Clock:  # the engine module's clock, its sleeps recorded (and slept)
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, s):
+            waits.append(s)
+            time.sleep(s)
+
+    monkeypatch.setattr(sglang_engine, "time", _Clock())
     out = engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2))
-    waited = time.perf_counter() - t0
-    assert flaky.state["generate_calls"] == 4 and 0.05 + 0.1 + 0.1 <= waited < 5  # 0.05, then capped at 0.1
+    assert flaky.state["generate_calls"] == 4 and waits == [0.05, 0.1, 0.1]  # 0.05, then doubled, capped at 0.1
     assert [r.response_ids for r in out] == [[7, 8], [7, 8]] and out[0].logprobs == [-0.5, -1.5]
     assert out[0].finish_reason == "stop"
     flaky.state["fails"] = 10
     engine.max_retries = 1
     with pytest.raises(EngineError, match="/generate at .* failed after 2 attempts: HTTP 503"):
         engine.generate([[1]], SamplingParams())
+    assert waits[3:] == [0.05]  # one wait between the 2 attempts; each call starts at backoff_s again
     engine.shutdown()  # attached: the server is left running
     assert flaky.thread.is_alive()

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from tolerance import assert_close_scaled
 
 from .conftest import CONFIG, TINY
 
@@ -99,7 +100,9 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
         keys = [k for k in ma if k.startswith(DETERMINISTIC)]
         assert keys
         for k in keys:
-            assert mb.get(k) == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (ma["step"], k, ma[k], mb.get(k))
+            # scaled to the value, at least 1: a small metric (a KL, a mean advantage, a loss) comes out of a
+            # cancellation of terms of size ~1 (normalised advantages, probabilities, log-prob differences)
+            assert_close_scaled(mb.get(k), ma[k], rel=1e-5, floor=1.0, msg=f"step {ma['step']} {k}")
 
 
 def _group_alive(pgid: int) -> list:

@@ -169,10 +169,10 @@ def test_kill_inside_saves_rerun_torn_audit_emptied_config_and_a_second_trainer(
                 break
             time.sleep(0.1)
         assert c.proc.poll() is None, "the resumed run ended before the second trainer could start"
-        t1 = time.monotonic()
         e = _run(_cmd(run, "--resume", "auto"), logs, timeout=120)
+        # refused, not queued behind the lock (one non-blocking attempt: tests/test_rundir.py), naming the holder
         assert e.returncode == 2 and len(_lines(e.stderr)) == 1, e.stderr[-2000:]
-        assert f"in use by another trainer (pid {c.pid} on " in e.stderr and time.monotonic() - t1 < 60, e.stderr
+        assert f"in use by another trainer (pid {c.pid} on " in e.stderr, e.stderr
     finally:
         cr = c.wait(600)
     assert cr.returncode == -signal.SIGKILL, cr.stderr[-3000:]
