@@ -250,7 +250,8 @@ def _train_planned(plan, rank0: bool) -> int:
             print(first_run_notice(cfg), flush=True)
         from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
-        from opid_mega.trainer import AnalyzerFailed, RolloutEngineDied, TrainingInterrupted, train
+        from opid_mega.analysis import AnalyzerFailed
+        from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
 
         train(cfg, str(run_dir), resume=plan.resume, resume_overrides=tuple(plan.overrides),
               config_digest=plan.digest)
@@ -342,7 +343,8 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
     from opid_mega.models import load_tokenizer
-    from opid_mega.trainer import build_agent_loop, build_engine, env_factory, mean, play
+    from opid_mega.rollout.launch import build_engine
+    from opid_mega.trainer import build_agent_loop, env_factory, mean, play
 
     engine = build_engine(cfg, hf_dir)
     env = env_factory(cfg)()

@@ -13,7 +13,7 @@ An import path is `module:attribute` (the attribute may be dotted: `mod:Outer.In
     env.options.sizee: not an option of mymod:GuessEnv; accepted: seed, size, success_reward
 
 opid_mega.config checks both keys when a config is loaded (so opid-train exits 2 with that line before anything is
-built); opid_mega.envs.make_env and opid_mega.trainer.build_analyzer build the classes (docs/custom_env.md).
+built); opid_mega.envs.make_env and opid_mega.rollout.launch.build_analyzer build the classes (docs/custom_env.md).
 """
 from __future__ import annotations
 

@@ -125,8 +125,9 @@ def test_export_bf16(tp2pp2_run):
 def test_eval_checkpoint_builds_no_optimizer(tp2pp2_run, monkeypatch, capsys):
     """opid-eval --checkpoint RUN_DIR: the checkpoint's weights reach the rollout engine through the model-only
     export; neither the trainer's Policy nor megatron's optimizer is ever built."""
-    from opid_mega import cli, trainer
+    from opid_mega import cli
     from opid_mega.megatron import policy, train_step
+    from opid_mega.rollout import launch
 
     def refuse(*a, **k):
         raise AssertionError("opid-eval --checkpoint built the training state")
@@ -137,13 +138,13 @@ def test_eval_checkpoint_builds_no_optimizer(tp2pp2_run, monkeypatch, capsys):
 
     monkeypatch.setattr(mco, "get_megatron_optimizer", refuse)
     engines = []
-    real = trainer.build_engine
+    real = launch.build_engine
 
     def capture(cfg, hf_dir, *a, **k):
         engines.append(real(cfg, hf_dir, *a, **k))
         return engines[-1]
 
-    monkeypatch.setattr(trainer, "build_engine", capture)
+    monkeypatch.setattr(launch, "build_engine", capture)
     run, _, refs, _ = tp2pp2_run
     rc = cli.eval_main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--checkpoint", str(run),
                         "eval.num_tasks=1", "env.max_steps=1", "rollout.max_response_tokens=4",

@@ -37,7 +37,7 @@ from opid_mega.config import load_config  # noqa: E402
 from opid_mega.megatron.logprobs import Sample, empty_batch, pack, plan_micro_batches  # noqa: E402
 from opid_mega.megatron.train_batches import TrainData  # noqa: E402
 from opid_mega.scoring.scorer import ScoreResult  # noqa: E402
-from opid_mega.trainer import compute_advantages  # noqa: E402
+from opid_mega.experience import compute_advantages  # noqa: E402
 
 PRESETS = {"alfworld": (16, 8, 30), "ci": (2, 8, 30), "tiny": (1, 4, 5)}  # tiny: the test
 
@@ -108,9 +108,9 @@ def before(cfg, it, dp):
 # ---------------------------------------------------------------------------------------------------- after
 def after(cfg, it, dp):
     seqs, scored, rewards, invalid, groups, ref = it
-    adv = compute_advantages(cfg, scored, rewards, invalid, groups)
-    data = TrainData.from_sequences([t for t, _ in seqs], adv.resp_lens, old_logprobs=adv.old,
-                                    advantages=adv.token, ref_logprobs=torch.cat(ref))
+    adv = compute_advantages(cfg.algo, scored, rewards, invalid, groups)
+    data = TrainData.from_sequences([t for t, _ in seqs], adv.resp_lens, old_logprobs=adv.old_logprobs,
+                                    advantages=adv.token_advantages, ref_logprobs=torch.cat(ref))
     order = list(range(data.num_samples))
     random.Random(0).shuffle(order)
     return [data.subset(order[s:s + cfg.train.mini_batch_size]).micro_batches(cfg.train.micro_batch_tokens, dp, 0)

@@ -143,12 +143,17 @@ class TrainData:
         if skill_contexts is not None:
             if len(skill_contexts) != len(seqs):
                 raise ValueError(f"skill_contexts has {len(skill_contexts)} entries for {len(seqs)} samples")
-            flat = [c for per in skill_contexts for c in per]
-            clens = np.fromiter(map(len, flat), np.int64, count=len(flat))
-            skills = dict(skill_tokens=_int32_tokens(flat, clens), skill_offsets=_offsets(clens),
-                          skill_sample_offsets=_offsets(np.fromiter(map(len, skill_contexts), np.int64,
-                                                                    count=len(skill_contexts))))
+            skills = cls.skill_columns(skill_contexts)
         return cls(tokens, _offsets(lens), np.asarray(resp_lens, np.int64), values, **skills)
+
+    @staticmethod
+    def skill_columns(skill_contexts: Sequence[Sequence[Sequence[int]]]) -> dict:
+        """The skill_* constructor arguments of per-sample skill contexts (token lists)."""
+        flat = [c for per in skill_contexts for c in per]
+        clens = np.fromiter(map(len, flat), np.int64, count=len(flat))
+        return dict(skill_tokens=_int32_tokens(flat, clens), skill_offsets=_offsets(clens),
+                    skill_sample_offsets=_offsets(np.fromiter(map(len, skill_contexts), np.int64,
+                                                              count=len(skill_contexts))))
 
     @property
     def num_samples(self) -> int:

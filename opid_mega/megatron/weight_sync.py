@@ -36,6 +36,7 @@ One sync:
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -46,6 +47,28 @@ import torch
 import torch.distributed as dist
 
 PROBE_TEXT = "You are in the middle of a room. Looking quickly around you, you see a cabinet, a desk and a drawer."
+
+
+def gather_servers(cfg, servers: list) -> dict:
+    """Every rank's launched rollout servers and where each rank runs (a collective on the control group):
+    {"servers": [{"url", "rank", "gpus"}] in node order, "ranks": [{"rank", "node", "gpu"}]}; the URLs are the
+    addresses the servers bind (deploy.bind_host), reachable from the other nodes. The weight sync decides from it
+    which rank of a server's node feeds it (feeders)."""
+    from opid_mega.megatron.parallel import all_gather_control
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = []
+    if servers and torch.cuda.is_available():
+        from opid_mega.placement import node_placement
+
+        groups = node_placement(cfg.deploy).rollout_groups
+    mine = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")) or 0),
+            "gpu": torch.cuda.current_device() if torch.cuda.is_available() else None,
+            "servers": [{"url": e.url, "rank": rank, "gpus": list(groups[i]) if i < len(groups) else []}
+                        for i, e in enumerate(servers)]}
+    everyone = all_gather_control(mine)
+    return {"servers": [s for part in everyone for s in part["servers"]],
+            "ranks": [{k: part[k] for k in ("rank", "node", "gpu")} for part in everyone]}
 
 
 class WeightSyncError(RuntimeError):

@@ -288,6 +288,14 @@ class LLMAnalyzer(Analyzer):
     def analyze(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None) -> list[Optional[Analysis]]:
         return [r.analysis for r in self.analyze_records(trajs, iteration)]
 
+    audits_itself = True  # every analysis, prompt and raw reply is audited here (_audit)
+    deadline_slack_s = 30.0  # the job ends itself at the deadline; a little slack for it to return
+
+    def late(self, job) -> int:
+        """Analyses of a finished job that the deadline ended (their records' failure says so)."""
+        return sum(str(getattr(r, "failure", "") or "").startswith(("deadline:", "transport: deadline:"))
+                   for r in getattr(job, "records", []))
+
     def submit(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None,
                deadline_s: Optional[float] = None) -> AnalysisJob:
         """Start `analyze(trajs)` in the background; `.result()` gives the analyses, `.records` the details.

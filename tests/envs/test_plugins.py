@@ -140,7 +140,7 @@ def test_options_belong_to_one_class(plugin_dir, tmp_path):
 
 def test_plugin_env_and_analyzer_are_built(plugin_dir, tmp_path):
     from opid_mega.envs import env_factory, make_env
-    from opid_mega.trainer import build_analyzer
+    from opid_mega.rollout.launch import build_analyzer
 
     cfg = C.load_config(TINY_CFG, ["env.name=guess_env:GuessEnv", "env.options.size=4", "env.max_steps=3",
                                    "analyzer.backend=guess_analyzer:BisectAnalyzer",

@@ -119,7 +119,7 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
     equal rewards), so A / λ is the per-token term, checked against the float64 reference distributions."""
     from opid_mega.config import load_config
     from opid_mega.scoring.fork_scorer import ForkScorer
-    from opid_mega.trainer import compute_advantages
+    from opid_mega.experience import compute_advantages
 
     pol, hf = setup
     reqs = _requests()
@@ -127,7 +127,7 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
     lam = 0.5
     cfg = load_config(CONFIG, ["scoring.scorer=fork", "algo.delta=full_kl", "algo.mode=no_routing",
                                                 f"algo.lambda_episode={lam}", f"algo.lambda_step={lam}"])
-    adv = compute_advantages(cfg, res, [1.0] * 4, [False] * 4, [0] * 4)
+    adv = compute_advantages(cfg.algo, res, [1.0] * 4, [False] * 4, [0] * 4)
     off = np.concatenate([[0], np.cumsum(adv.resp_lens)])
     for i, req in enumerate(reqs):
         R = len(req.response_ids)
@@ -142,7 +142,7 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
             ly, oy = ls.gather(-1, y[:, None])[:, 0], lo.gather(-1, y[:, None])[:, 0]
             want += lam * (ly - oy + (lo.exp() * (lo - ls)).sum(-1))
             size += lam * (ly.abs() + oy.abs() + _kl_magnitude(lo, ls))
-        got = torch.from_numpy(adv.token[off[i]:off[i + 1]].astype(np.float64))
+        got = torch.from_numpy(adv.token_advantages[off[i]:off[i + 1]].astype(np.float64))
         assert_close_scaled(got, want, scale=float(size.max()) if req.skills else 1.0, msg=f"request {i}")
 
 

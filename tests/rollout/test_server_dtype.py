@@ -51,7 +51,7 @@ class _Launched(Exception):
 @pytest.mark.parametrize("dtype,extra,want", [("float32", [], "float32"), ("bfloat16", [], "bfloat16"),
                                               ("float32", ["--dtype", "float16"], "float16")])
 def test_every_launched_rollout_server_gets_the_model_dtype(monkeypatch, tmp_path, dtype, extra, want):
-    from opid_mega.trainer import launch_node_servers
+    from opid_mega.rollout.launch import launch_node_servers
 
     commands = []
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from opid_mega.config import load_config
+from opid_mega.experience import compute_advantages
 from opid_mega.scoring.scorer import ScoreResult
-from opid_mega.trainer import compute_advantages
 from tolerance import assert_close_scaled
 
 
@@ -51,7 +51,7 @@ def _reference(scored, rewards, invalid, groups, penalty, lam_ep, lam_step, mode
 
 def _rows(adv):
     """Per-sample rows of a flat per-token array."""
-    return np.split(adv.token, np.cumsum(adv.resp_lens)[:-1])
+    return np.split(adv.token_advantages, np.cumsum(adv.resp_lens)[:-1])
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
@@ -61,10 +61,10 @@ def test_opid_equals_grpo_when_all_deltas_are_zero(outcome_mode, backend):
     outs = {}
     for mode in ("grpo", "opid", "no_routing", "no_step_skill"):
         cfg = load_config(None, [f"algo.mode={mode}", f"algo.outcome_mode={outcome_mode}"])
-        outs[mode] = compute_advantages(cfg, scored, rewards, invalid, groups, backend=backend)
+        outs[mode] = compute_advantages(cfg.algo, scored, rewards, invalid, groups, backend=backend)
     for mode in ("opid", "no_routing", "no_step_skill"):
-        assert np.array_equal(outs[mode].token, outs["grpo"].token)
-    assert np.abs(outs["grpo"].token).sum() > 0  # a non-trivial batch
+        assert np.array_equal(outs[mode].token_advantages, outs["grpo"].token_advantages)
+    assert np.abs(outs["grpo"].token_advantages).sum() > 0  # a non-trivial batch
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
@@ -73,14 +73,14 @@ def test_opid_equals_grpo_when_all_deltas_are_zero(outcome_mode, backend):
 def test_advantages_match_float64_reference(mode, lam_ep_on, lam_step_on, backend):
     scored, rewards, invalid, groups = _batch(1)
     cfg = load_config(None, [f"algo.mode={mode}", "algo.lambda_episode=0.3", "algo.lambda_step=0.7"])
-    adv = compute_advantages(cfg, scored, rewards, invalid, groups, backend=backend)
+    adv = compute_advantages(cfg.algo, scored, rewards, invalid, groups, backend=backend)
     ref = _reference(scored, rewards, invalid, groups, 0.1, 0.3 * lam_ep_on, 0.7 * lam_step_on, "mean_std_norm")
     assert adv.resp_lens.tolist() == [r.orig.numel() for r in scored]
     for i, (row, got) in enumerate(zip(ref, _rows(adv))):
         assert_close_scaled(got, row, floor=1.0, msg=f"row {i}")  # float32 vs float64; advantages are O(1)
-    assert np.array_equal(adv.old, torch.cat([r.orig for r in scored]).numpy())
+    assert np.array_equal(adv.old_logprobs, torch.cat([r.orig for r in scored]).numpy())
     if mode == "grpo":
-        assert_close_scaled(adv.token, adv.outcome_per_token, rel=1e-6, msg="grpo: token = outcome")
+        assert_close_scaled(adv.token_advantages, adv.outcome_per_token, rel=1e-6, msg="grpo: token = outcome")
 
 
 def test_advantages_reject_misaligned_skill_logprobs():
@@ -90,4 +90,4 @@ def test_advantages_reject_misaligned_skill_logprobs():
     scored[k].skill[kind] = scored[k].skill[kind][:-1] if scored[k].orig.numel() > 1 else torch.zeros(2)
     cfg = load_config(None, ["algo.mode=opid"])
     with pytest.raises(ValueError, match=f"step-sample {k} has"):
-        compute_advantages(cfg, scored, rewards, invalid, groups)
+        compute_advantages(cfg.algo, scored, rewards, invalid, groups)

@@ -11,7 +11,7 @@ import pytest
 
 from opid_mega.skills.llm_analyzer import LLMAnalyzer
 from opid_mega.skills.types import StepView, TrajectoryView
-from opid_mega.trainer import build_analyzer, launch_analyzer_server
+from opid_mega.rollout.launch import build_analyzer, launch_analyzer_server
 
 FAKE_SERVER = r'''#!{python}
 import json, sys

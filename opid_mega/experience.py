@@ -1,0 +1,358 @@
+"""One iteration's step-samples as one columnar record, built once and filled stage by stage.
+
+    exp = Experience.from_rollout(batch, iteration, policy_version)   rollout: tokens, lengths, groups, scores, ...
+    exp.ref_logprobs = ...                                             reference: log π_ref of every response token
+    add_skills(exp, analyses, ...)                                     experience: routing, sections, audit (once)
+    score(exp, scorer, ...)                                            score: old and skill-context log-probs
+    advantages(exp, algo_cfg)                                          advantages: A_out per sample, A per token
+    exp.train_data(...)                                                train: the policy's view of the same columns
+    metrics(exp, ...)                                                  metrics: a function of the record
+
+Columns (S step-samples in trajectory order, R = Σ response tokens, C = skill contexts):
+
+    traj_index, step_index   int64 [S]     which kept trajectory / step a sample is
+    tokens, seq_offsets      int32 [Σ P+R], int64 [S+1]   prompt then response, CSR
+    prompt_lens, resp_lens   int64 [S]
+    groups                   int64 [S]     GRPO group (task index in the batch)
+    scores                   float64 [S]   the trajectory's outcome R
+    invalid                  bool [S]      the response broke the answer format
+    engine_logprobs          float64 [R]   what the rollout engine reported while sampling
+    policy_version           int64 [S]     the weight version the sample was drawn with
+    skill_offsets            int64 [S+1]   CSR of the skill contexts per sample (routing order)
+    skill_kinds              list [C]      "episode" / "step"
+    skill_insert_at          int64 [C]     token index in the prompt where the section goes
+    section_offsets, section_tokens        CSR of each context's section token ids
+    ref_logprobs             float32 [R]   the frozen reference (None without one)
+    old_logprobs             float32 [R]   the old policy on the original context (PPO's old log-probs)
+    skill_logprobs[kind]     float32 [R]   the old policy on the kind's skill context (= old where not routed)
+    routed[kind]             bool [S]      the sample was scored with a skill of that kind
+    divergence[kind]         float32 [R]   algo.delta full_kl / topk_kl: the divergence term of that context
+    a_out                    float64 [S]   outcome advantage
+    token_advantages         float32 [R]   A = A_out + Σ_k λ_k Δ_k
+
+Nothing here knows Megatron: the record is numpy; the scorer and the policy are called through their interfaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from opid_mega import algo
+from opid_mega.scoring.scorer import ScoreRequest
+from opid_mega.skills.injection import inject_skills
+
+KINDS = (algo.EPISODE, algo.STEP)
+
+
+def _offsets(lens) -> np.ndarray:
+    out = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(np.asarray(lens, np.int64), out=out[1:])
+    return out
+
+
+def _cat_int32(seqs) -> np.ndarray:
+    seqs = list(seqs)
+    return np.fromiter((x for q in seqs for x in q), np.int32) if seqs else np.zeros(0, np.int32)
+
+
+@dataclass
+class Experience:
+    iteration: int
+    trajectories: list  # the kept trajectories (Trajectory): no env error, not cut by the rollout deadline
+    rollout_trajectories: int  # every trajectory the rollout produced
+    env_errors: int
+    deadline_trajectories: int
+    traj_index: np.ndarray
+    step_index: np.ndarray
+    tokens: np.ndarray
+    seq_offsets: np.ndarray
+    prompt_lens: np.ndarray
+    resp_lens: np.ndarray
+    groups: np.ndarray
+    scores: np.ndarray
+    invalid: np.ndarray
+    engine_logprobs: np.ndarray
+    policy_version: np.ndarray
+    steps: list = field(repr=False, default_factory=list)  # the StepSample of each row (texts for the audit)
+    analyses: list = field(default_factory=list)  # one Analysis or None per kept trajectory
+    skill_offsets: Optional[np.ndarray] = None
+    skill_kinds: list = field(default_factory=list)
+    skill_insert_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    section_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    section_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    ref_logprobs: Optional[torch.Tensor] = None
+    old_logprobs: Optional[np.ndarray] = None
+    skill_logprobs: dict = field(default_factory=dict)
+    routed: dict = field(default_factory=dict)
+    divergence: dict = field(default_factory=dict)
+    a_out: Optional[np.ndarray] = None
+    token_advantages: Optional[np.ndarray] = None
+    scored_tokens: int = 0  # tokens the scorer ran through the model
+
+    # ---- construction ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_rollout(cls, batch, iteration: int, policy_version: int) -> "Experience":
+        """The record of a RolloutBatch: every step-sample of every trajectory that neither hit an env error nor the
+        rollout deadline (a simulator fault or a cut episode is no outcome), trajectory-major."""
+        all_trajs = batch.trajectories
+        trajs = [t for t in all_trajs if not t.env_error and not t.deadline_failure]
+        rows = [(ti, si, s) for ti, t in enumerate(trajs) for si, s in enumerate(t.steps)]
+        steps = [s for _, _, s in rows]
+        plens = np.fromiter((len(s.prompt_ids) for s in steps), np.int64, count=len(steps))
+        rlens = np.fromiter((len(s.response_ids) for s in steps), np.int64, count=len(steps))
+        S = len(rows)
+        return cls(
+            iteration=iteration, trajectories=trajs, rollout_trajectories=len(all_trajs),
+            env_errors=sum(t.env_error for t in all_trajs),
+            deadline_trajectories=sum(t.deadline_failure for t in all_trajs),
+            traj_index=np.fromiter((ti for ti, _, _ in rows), np.int64, count=S),
+            step_index=np.fromiter((si for _, si, _ in rows), np.int64, count=S),
+            tokens=_cat_int32(list(s.prompt_ids) + list(s.response_ids) for s in steps),
+            seq_offsets=_offsets(plens + rlens), prompt_lens=plens, resp_lens=rlens,
+            groups=np.fromiter((trajs[ti].group_id for ti, _, _ in rows), np.int64, count=S),
+            scores=np.fromiter((trajs[ti].score for ti, _, _ in rows), np.float64, count=S),
+            invalid=np.fromiter((not s.valid for s in steps), bool, count=S),
+            engine_logprobs=np.fromiter((x for s in steps for x in s.response_logprobs), np.float64),
+            policy_version=np.full(S, policy_version, np.int64), steps=steps,
+            skill_offsets=np.zeros(S + 1, np.int64))
+
+    # ---- views -----------------------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return int(self.resp_lens.size)
+
+    def sequence(self, s: int) -> np.ndarray:
+        return self.tokens[self.seq_offsets[s]:self.seq_offsets[s + 1]]
+
+    def prompt(self, s: int) -> np.ndarray:
+        return self.sequence(s)[:self.prompt_lens[s]]
+
+    def response(self, s: int) -> np.ndarray:
+        return self.sequence(s)[self.prompt_lens[s]:]
+
+    def sample_id(self, s: int) -> str:
+        ti = int(self.traj_index[s])
+        return f"{self.iteration}/{self.trajectories[ti].task_id}/{ti}/s{int(self.step_index[s])}"
+
+    def sequences(self) -> list:
+        """(token list, prompt length) per sample: the reference model's input."""
+        return [(self.sequence(s).tolist(), int(self.prompt_lens[s])) for s in range(self.num_samples)]
+
+    def contexts(self, s: int) -> dict:
+        """{kind: (insert_at, section token list)} of sample s's skill contexts."""
+        out = {}
+        for c in range(self.skill_offsets[s], self.skill_offsets[s + 1]):
+            sec = self.section_tokens[self.section_offsets[c]:self.section_offsets[c + 1]]
+            out[self.skill_kinds[c]] = (int(self.skill_insert_at[c]), sec.tolist())
+        return out
+
+    def score_requests(self) -> list:
+        return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s))
+                for s in range(self.num_samples)]
+
+    def skill_context_tokens(self) -> list:
+        """Per sample, the token lists of its skill contexts (sorted kinds): the distillation teacher's input."""
+        out = []
+        for s in range(self.num_samples):
+            p, r = self.prompt(s).tolist(), self.response(s).tolist()
+            out.append([p[:at] + sec + p[at:] + r for _, (at, sec) in sorted(self.contexts(s).items())])
+        return out
+
+    @property
+    def outcome_per_token(self) -> np.ndarray:
+        return np.repeat(self.a_out, self.resp_lens)
+
+    def response_slice(self, s: int) -> slice:
+        start = int(self.resp_lens[:s].sum())
+        return slice(start, start + int(self.resp_lens[s]))
+
+
+# ---- the experience stage: analyses -> routed, fitted, audited skill contexts ------------------------------------
+def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable, audit=None) -> None:
+    """Routes each kept trajectory's analysis to its step-samples (algo.route_skills by algo.routing and the use_*
+    switches), fits every skill into its section budget (`fit_section(skill, kind) -> (skill, section ids)`; an
+    empty section is dropped) and audits each augmented prompt, once. grpo / skill_grpo score no skill context."""
+    exp.analyses = list(analyses)
+    routes: list = []
+    for t, an in zip(exp.trajectories, exp.analyses):
+        if an is None:
+            routes.extend({} for _ in t.steps)
+            continue
+        steps = {k: v for k, v in an.step_skills.items() if 0 <= k < len(t.steps)}
+        routes.extend(algo.route_skills(len(t.steps), steps, an.episode_skill, mode=algo_cfg.routing,
+                                        use_episode=algo_cfg.use_episode, use_step=algo_cfg.use_step,
+                                        lambda_episode=algo_cfg.lambda_episode, lambda_step=algo_cfg.lambda_step))
+    if algo_cfg.mode in ("grpo", "skill_grpo"):  # no λΔ term: only the original context is scored
+        routes = [{} for _ in routes]
+    per_sample, kinds, at_list, sections = [], [], [], []
+    for s, (step, route) in enumerate(zip(exp.steps, routes)):
+        n = 0
+        for kind, skill in route.items():
+            at = step.episode_insert_at if kind == algo.EPISODE and algo_cfg.placement != "late" \
+                else step.step_insert_at
+            skill, ids = fit_section(skill, kind)
+            if not ids:
+                continue
+            kinds.append(kind)
+            at_list.append(at)
+            sections.append(ids)
+            n += 1
+            if audit is not None:
+                audit.log_augmented_prompt(iteration=exp.iteration, sample_id=exp.sample_id(s), kind=kind,
+                                           placement=algo_cfg.placement, skill=skill,
+                                           prompt=inject_skills(step.prompt_text, {kind: skill}, algo_cfg.placement),
+                                           stage="scoring")
+        per_sample.append(n)
+    exp.skill_offsets = _offsets(per_sample)
+    exp.skill_kinds = kinds
+    exp.skill_insert_at = np.asarray(at_list, np.int64)
+    exp.section_offsets = _offsets([len(x) for x in sections])
+    exp.section_tokens = _cat_int32(sections)
+
+
+# ---- the score stage ----------------------------------------------------------------------------------------------
+def _flat(tensors: list, lens: np.ndarray, what: str) -> np.ndarray:
+    got = np.fromiter((t.numel() for t in tensors), np.int64, count=len(tensors))
+    bad = np.flatnonzero(got != lens)
+    if bad.size:
+        raise ValueError(f"{what} of step-sample {int(bad[0])} has {int(got[bad[0]])} values, its response "
+                         f"{int(lens[bad[0]])} tokens")
+    return torch.cat([t.reshape(-1).float() for t in tensors]).numpy() if tensors else np.zeros(0, np.float32)
+
+
+def divergence_term(r, kind: str, delta: str) -> torch.Tensor:
+    """What `delta` (full_kl / topk_kl) adds to the sampled Δ on one step-sample's tokens for skill type `kind`:
+    KL(p_o‖p_s) or its top-k estimate (zeros where the sample has no such skill: masked anyway)."""
+    if kind not in r.skill:
+        return torch.zeros_like(r.orig)
+    if kind not in r.divergence:
+        raise ValueError(f"algo.delta={delta}: the scorer returned no divergence for skill type {kind!r} "
+                         "(scoring.scorer must be fork)")
+    return algo.delta_baseline({k: v.double() for k, v in r.divergence[kind].items() if k != "topk_ids"}, delta)
+
+
+def fill_scores(exp: Experience, results: list, delta: str = "sampled") -> None:
+    """The scorer's ScoreResults (one per sample) into the record's columns: old log-probs, every kind's skill
+    log-probs (the old ones where the sample was not routed to the kind) and, for algo.delta full_kl / topk_kl, the
+    divergence term. Each result must hold one value per response token (a clear error names the sample)."""
+    lens = exp.resp_lens
+    exp.old_logprobs = _flat([r.orig for r in results], lens, "the original log-probs")
+    for kind in KINDS:
+        exp.routed[kind] = np.fromiter((kind in r.skill for r in results), bool, count=len(results))
+        exp.skill_logprobs[kind] = _flat([r.skill.get(kind, r.orig) for r in results], lens,
+                                         f"the {kind}-skill log-probs")
+        if delta != "sampled":
+            exp.divergence[kind] = _flat([divergence_term(r, kind, delta) for r in results], lens,
+                                         f"the {kind}-skill divergence")
+
+
+def score(exp: Experience, scorer, delta: str = "sampled") -> None:
+    """score: the old weights on the original context (PPO's old log-probs) and every routed skill context."""
+    fill_scores(exp, scorer.score(exp.score_requests()), delta)
+    exp.scored_tokens = getattr(scorer, "last_tokens", 0)
+
+
+# ---- the advantages stage -----------------------------------------------------------------------------------------
+def advantages(exp: Experience, a, backend: Optional[str] = None) -> None:
+    """A_out per sample and A = A_out + Σ_k λ_k Δ_k per response token (docs/algorithm.md §2, §6, §7), by the batch
+    builder (`opid_mega._C` when built; `backend` forces one). `a` is the AlgoConfig: grpo / skill_grpo take no Δ;
+    every other mode adds λ_k Δ_k with Δ_k = skill − original log-prob on the samples routed to kind k
+    (algo.delta=sampled, the paper), or that plus the divergence term (full_kl / topk_kl). Identical to GRPO
+    whenever every Δ is 0."""
+    from opid_mega import batching
+
+    old = exp.old_logprobs
+    scores = np.asarray(exp.scores, np.float64) - a.invalid_penalty * np.asarray(exp.invalid, bool)
+    exp.a_out = batching.outcome_advantage(scores, np.asarray(exp.groups, np.int64), a.outcome_mode, backend=backend)
+    deltas, masks, lambdas = [], [], []
+    if a.mode not in ("grpo", "skill_grpo"):
+        lam = {algo.EPISODE: a.lambda_episode if a.use_episode else 0.0,
+               algo.STEP: a.lambda_step if a.use_step else 0.0}
+        for kind in KINDS:
+            masks.append(exp.routed[kind])
+            d = exp.skill_logprobs[kind].astype(np.float64) - old
+            if a.delta != "sampled":  # + the divergence term (its conditional mean removed)
+                d = d + exp.divergence[kind].astype(np.float64)
+            deltas.append(d)
+            lambdas.append(lam[kind])
+    exp.token_advantages = batching.token_advantages(exp.a_out, exp.resp_lens, deltas, masks, lambdas,
+                                                     normalize=a.delta_normalize, clip=a.delta_clip, backend=backend)
+
+
+# ---- the metrics stage ------------------------------------------------------------------------------------------
+def mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def outcome_info_means(trajs: list, prefix: str) -> dict:
+    """{prefix/key: share of trajectories whose last value of the env's info key was truthy} for every key of the
+    trajectories' outcome_info (the env's `info_metrics`; a trajectory without the key counts as False)."""
+    keys = sorted({k for t in trajs for k in t.outcome_info})
+    return {f"{prefix}/{k}": mean(bool(t.outcome_info.get(k)) for t in trajs) for k in keys} if trajs else {}
+
+
+def metrics(exp: Experience, elapsed: float) -> dict:
+    """The record's metrics: outcomes, rollout counts, advantage magnitudes, the engine/trainer log-prob mismatch
+    and the tokens per second of an iteration that took `elapsed` seconds."""
+    trajs = exp.trajectories
+    ntok = max(int(exp.resp_lens.sum()), 1)
+    out_tok = exp.outcome_per_token
+    out_abs = float(np.abs(out_tok).sum() / ntok)
+    # A is rounded to float32 once: against A_out in float32, GRPO's skill part is exactly 0
+    skill_abs = float(np.abs(exp.token_advantages.astype(np.float64) - out_tok.astype(np.float32)).sum() / ntok)
+    eng, old = exp.engine_logprobs, exp.old_logprobs
+    return {
+        "train/success_rate": mean(t.won for t in trajs),
+        "train/score": mean(t.score for t in trajs),
+        "train/episode_length": mean(len(t.steps) for t in trajs),
+        "train/invalid_rate": float(exp.invalid.mean()),
+        **outcome_info_means(trajs, "train"),
+        "train/step_samples": exp.num_samples,
+        "rollout/trajectories": exp.rollout_trajectories,
+        "rollout/env_errors": exp.env_errors,
+        "rollout/deadline_trajectories": exp.deadline_trajectories,
+        "adv/outcome_abs_mean": out_abs,
+        "adv/skill_abs_mean": skill_abs,
+        "adv/skill_share": skill_abs / (out_abs + skill_abs) if out_abs + skill_abs > 0 else 0.0,
+        "rollout/logprob_mismatch": float(np.abs(eng - old).sum() / ntok) if eng.size == old.size else None,
+        "perf/tokens_per_s": int(exp.seq_offsets[-1]) / elapsed,
+    }
+
+
+def advantage_records(exp: Experience) -> list:
+    """logging.dump_advantages: one JSON-able record per step-sample (task, group, score, A_out, the skill kinds it
+    was scored with, response token ids and Δ = skill − original log-prob per token of each kind)."""
+    out = []
+    for s, step in enumerate(exp.steps):
+        t = exp.trajectories[int(exp.traj_index[s])]
+        sl = exp.response_slice(s)
+        kinds = sorted(k for k in KINDS if exp.routed[k][s])
+        out.append({"iteration": exp.iteration, "sample": exp.sample_id(s), "task": t.task_id,
+                    "group": int(t.group_id), "score": float(t.score), "won": bool(t.won),
+                    "step": int(exp.step_index[s]), "action": step.action, "valid": bool(step.valid),
+                    "a_out": round(float(exp.a_out[s]), 6), "kinds": kinds,
+                    "response_ids": [int(x) for x in exp.response(s)],
+                    "delta": {k: [round(float(x), 5) for x in (exp.skill_logprobs[k][sl].astype(np.float64)
+                                                                - exp.old_logprobs[sl].astype(np.float64))]
+                              for k in kinds}})
+    return out
+
+
+def compute_advantages(a, results: list, scores, invalid, groups, backend: Optional[str] = None) -> Experience:
+    """The advantages stage on scorer results alone (tests, benchmarks): a record holding only the columns it
+    reads (one ScoreResult, outcome score, invalid flag and group per step-sample; `a` the AlgoConfig)."""
+    S = len(results)
+    exp = Experience(
+        iteration=0, trajectories=[], rollout_trajectories=0, env_errors=0, deadline_trajectories=0,
+        traj_index=np.zeros(S, np.int64), step_index=np.zeros(S, np.int64), tokens=np.zeros(0, np.int32),
+        seq_offsets=np.zeros(S + 1, np.int64), prompt_lens=np.zeros(S, np.int64),
+        resp_lens=np.fromiter((r.orig.numel() for r in results), np.int64, count=S),
+        groups=np.asarray(groups, np.int64), scores=np.asarray(scores, np.float64),
+        invalid=np.asarray(invalid, bool), engine_logprobs=np.zeros(0), policy_version=np.zeros(S, np.int64))
+    fill_scores(exp, results, a.delta if a.mode not in ("grpo", "skill_grpo") else "sampled")
+    advantages(exp, a, backend=backend)
+    return exp
