@@ -251,7 +251,8 @@ def _train_planned(plan, rank0: bool) -> int:
         from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
         from opid_mega.analysis import AnalyzerFailed
-        from opid_mega.trainer import RolloutEngineDied, TrainingInterrupted, train
+        from opid_mega.rollout.launch import RolloutEngineDied
+        from opid_mega.trainer import TrainingInterrupted, train
 
         train(cfg, str(run_dir), resume=plan.resume, resume_overrides=tuple(plan.overrides),
               config_digest=plan.digest)
@@ -343,8 +344,8 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
     from opid_mega.models import load_tokenizer
-    from opid_mega.rollout.launch import build_engine
-    from opid_mega.trainer import build_agent_loop, env_factory, mean, play
+    from opid_mega.experience import mean
+    from opid_mega.rollout.launch import build_agent_loop, build_engine, env_factory, play
 
     engine = build_engine(cfg, hf_dir)
     env = env_factory(cfg)()

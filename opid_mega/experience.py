@@ -42,7 +42,7 @@ import torch
 
 from opid_mega import algo
 from opid_mega.scoring.scorer import ScoreRequest
-from opid_mega.skills.injection import inject_skills
+from opid_mega.skills.injection import inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
 
@@ -171,6 +171,13 @@ class Experience:
 
 
 # ---- the experience stage: analyses -> routed, fitted, audited skill contexts ------------------------------------
+def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
+    """Tokens a skill section of `kind` may take: its fixed frame (title, instruction, brackets; measured with a
+    one-character skill) plus analyzer.max_skill_tokens for the skill plus 4 for tokenizer merges at the frame's
+    edges. `Trainer.fit_section` enforces it, and the fork scorer's budget is derived from it."""
+    return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
+
+
 def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable, audit=None) -> None:
     """Routes each kept trajectory's analysis to its step-samples (algo.route_skills by algo.routing and the use_*
     switches), fits every skill into its section budget (`fit_section(skill, kind) -> (skill, section ids)`; an

@@ -36,17 +36,16 @@ from typing import Optional
 import torch
 
 from opid_mega import algo, experience
+from opid_mega.algo.routing import shuffle_analyses
+from opid_mega.algo.schedule import learning_rate
 from opid_mega.analysis import AnalysisStage
 from opid_mega.config import Config
-from opid_mega.experience import Experience, mean, outcome_info_means
+from opid_mega.experience import Experience, mean, outcome_info_means, skill_section_cap
 from opid_mega.metrics import Timer
+from opid_mega.rollout.launch import RolloutEngineDied, audit_rollout_skills, build_agent_loop, env_factory, play
 from opid_mega.skills.injection import render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
-
-
-class RolloutEngineDied(RuntimeError):
-    """The rollout engine failed; the message names the iteration and the last checkpoint."""
 
 
 class TrainingInterrupted(Exception):
@@ -56,57 +55,6 @@ class TrainingInterrupted(Exception):
     def __init__(self, message: str, signum: int = 2):  # 2: SIGINT
         super().__init__(message)
         self.signum = int(signum)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Rollout: opid_mega.rollout.AgentLoop (one batched generate per env step; an env that raises ends only its
-# trajectory: it is marked `env_error`, left out of the iteration and counted in rollout/env_errors)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def build_agent_loop(cfg: Config, engine, tokenizer, hf_dir: str):
-    from opid_mega.rollout.agent_loop import AgentLoop
-
-    return AgentLoop(engine, tokenizer, env_factory=env_factory(cfg), history_length=cfg.env.history_length,
-                     num_workers=cfg.env.num_workers, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                     enable_thinking=cfg.model.enable_thinking, model_path=hf_dir,
-                     step_timeout_s=cfg.env.step_timeout_s)
-
-
-def play(loop, cfg: Config, tasks, group_size: int, temperature: float, seed: int, skills=None):
-    """len(tasks) x group_size trajectories (a RolloutBatch). `skills`: one optional episode skill per trajectory,
-    put into the rollout prompt itself (skill_grpo). Engine failures surface as RolloutEngineDied. The rollout ends
-    within rollout.deadline_s (the trajectories still running then are deadline failures: AgentLoop)."""
-    from opid_mega.rollout.engine import SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_response_tokens,
-                              stop_token_ids=tuple(loop.stop_token_ids), seed=seed)
-    try:
-        return loop.run(tasks, group_size, sampling, rollout_skills=skills, skill_kind=algo.EPISODE,
-                        placement=cfg.algo.placement, deadline_s=cfg.rollout.deadline_s)
-    except Exception as exc:  # noqa: BLE001 - env failures are handled inside the loop: this is the engine
-        raise RolloutEngineDied(f"rollout engine failed: {type(exc).__name__}: {exc}") from exc
-
-
-def audit_rollout_skills(audit, batch, it: int, placement: str) -> None:
-    for t in batch.trajectories:
-        for s in t.steps:
-            if s.rollout_skill:
-                audit.log_augmented_prompt(iteration=it, sample_id=f"{it}/rollout/{t.traj_id}/s{s.step}",
-                                           kind=algo.EPISODE, placement=placement, skill=s.rollout_skill,
-                                           prompt=s.prompt_text, stage="rollout")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Helpers of one iteration
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def env_factory(cfg: Config):
-    from opid_mega.envs import env_factory as factory
-
-    return factory(cfg.env)
 
 
 def resolve_init(cfg: Config) -> str:
@@ -129,35 +77,6 @@ def divergence_topk(a) -> Optional[int]:
     return {"sampled": None, "full_kl": 0, "topk_kl": a.delta_topk}[a.delta]
 
 
-def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
-    """Tokens a skill section of `kind` may take: its fixed frame (title, instruction, brackets; measured with a
-    one-character skill) plus analyzer.max_skill_tokens for the skill plus 4 for tokenizer merges at the frame's
-    edges. `Trainer.fit_section` enforces it, and the fork scorer's budget is derived from it."""
-    return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
-
-
-def shuffle_analyses(groups: list, analyses: list, seed: int) -> list:
-    """The negative control's analyses (algo.skill_source=shuffled), one per trajectory: trajectory j of group g
-    gets the analysis of trajectory j (modulo that group's size) of the group after g in a seeded random cycle of
-    the batch's groups, so no trajectory keeps an analysis of its own task and every analysis stays one an analyzer
-    wrote for a trajectory of this batch. A batch of a single group has no other task: no analyses (all None)."""
-    order = list(dict.fromkeys(groups))
-    if len(order) < 2:
-        return [None] * len(analyses)
-    random.Random(seed).shuffle(order)
-    donor_of = {g: order[(k + 1) % len(order)] for k, g in enumerate(order)}
-    by_group: dict = {}
-    for g, a in zip(groups, analyses):
-        by_group.setdefault(g, []).append(a)
-    taken: dict = {}
-    out = []
-    for g in groups:
-        donors = by_group[donor_of[g]]
-        out.append(donors[taken.get(g, 0) % len(donors)])
-        taken[g] = taken.get(g, 0) + 1
-    return out
-
-
 def skill_key(task) -> str:
     """The skill bank's key of a task: the same string as `Trajectory.task_id` of its rollouts (the AgentLoop sets
     task_id = str(task.id)), so a task's rollouts find the skill of that task's own latest analysis."""
@@ -175,24 +94,9 @@ def should_evaluate(cfg: Config, it: int) -> bool:
     return it % cfg.eval.interval == 0 or it == cfg.train.iterations
 
 
-def learning_rate(train, it: int) -> float:
-    """The learning rate of iteration `it` (1-based) under `train.lr_scheduler` (a TrainConfig): constant ->
-    train.lr; warmup -> train.lr * min(1, (it - 1) / W) with W = int(train.lr_warmup_ratio * train.iterations), the
-    reference's constant schedule with linear warm-up, stepped once per iteration after the update (so its first
-    update runs at 0). Every mini-batch of an iteration uses the same rate."""
-    if train.lr_scheduler == "constant":
-        return train.lr
-    if train.lr_scheduler != "warmup":
-        raise ValueError(f"train.lr_scheduler={train.lr_scheduler!r}, allowed: constant, warmup")
-    warmup = int(train.lr_warmup_ratio * train.iterations)
-    if warmup <= 0 or it - 1 >= warmup:
-        return train.lr
-    return train.lr * (it - 1) / warmup
-
-
 def broadcast(produce):
-    """`produce()` on global rank 0, its result (or error) on every rank over the control group: the control channel
-    lives with the parallel state (opid_mega.megatron.parallel.broadcast); kept here for the trainer's callers."""
+    """`produce()` on global rank 0, its result (or error) on every rank over the control group (imported when
+    called: importing the trainer does not import megatron-core)."""
     from opid_mega.megatron.parallel import broadcast as control_broadcast
 
     return control_broadcast(produce)

@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import mechanism  # noqa: E402
 
+from opid_mega.algo.routing import shuffle_analyses  # noqa: E402
 from opid_mega.experience import outcome_info_means  # noqa: E402
-from opid_mega.trainer import shuffle_analyses  # noqa: E402
 
 
 def test_round_down_to_one_significant_figure():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Mapping, Optional
 
 EPISODE = "episode"
@@ -73,3 +74,25 @@ def route_skills(
                 route[STEP] = step
         routes.append(route)
     return routes
+
+
+def shuffle_analyses(groups: list, analyses: list, seed: int) -> list:
+    """The negative control's analyses (algo.skill_source=shuffled), one per trajectory: trajectory j of group g
+    gets the analysis of trajectory j (modulo that group's size) of the group after g in a seeded random cycle of
+    the batch's groups, so no trajectory keeps an analysis of its own task and every analysis stays one an analyzer
+    wrote for a trajectory of this batch. A batch of a single group has no other task: no analyses (all None)."""
+    order = list(dict.fromkeys(groups))
+    if len(order) < 2:
+        return [None] * len(analyses)
+    random.Random(seed).shuffle(order)
+    donor_of = {g: order[(k + 1) % len(order)] for k, g in enumerate(order)}
+    by_group: dict = {}
+    for g, a in zip(groups, analyses):
+        by_group.setdefault(g, []).append(a)
+    taken: dict = {}
+    out = []
+    for g in groups:
+        donors = by_group[donor_of[g]]
+        out.append(donors[taken.get(g, 0) % len(donors)])
+        taken[g] = taken.get(g, 0) + 1
+    return out

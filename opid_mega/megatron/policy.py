@@ -114,7 +114,7 @@ class Policy:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps, on every parameter group (what megatron's own
-        OptimizerParamScheduler does; `learning_rate` gives the value per iteration)."""
+        OptimizerParamScheduler does; `opid_mega.algo.schedule.learning_rate` gives the value per iteration)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

@@ -96,7 +96,7 @@ def test_alfworld_validation_split_is_selectable():
 
 
 def test_learning_rate_schedule_values():
-    from opid_mega.trainer import learning_rate
+    from opid_mega.algo.schedule import learning_rate
 
     search = load_config(os.path.join(ROOT, "configs", "qwen2.5-3b_search_qa.yaml")).train
     # 150 iterations, warm-up 10% = 15 iterations: lr * (it - 1) / 15 (the first update at 0), then 1e-6

@@ -10,7 +10,8 @@ import pytest
 from opid_mega.megatron.checkpoint import latest_step
 from opid_mega.skills.audit import read_audit
 from opid_mega.skills.llm_analyzer import LLMAnalyzer
-from opid_mega.trainer import RolloutEngineDied, Trainer
+from opid_mega.rollout.launch import RolloutEngineDied
+from opid_mega.trainer import Trainer
 
 from .conftest import closed_port
 
