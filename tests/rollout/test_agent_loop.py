@@ -294,7 +294,7 @@ def test_a_step_past_the_time_limit_ends_only_its_trajectory(qwen_tokenizer, sqa
 
 def test_env_step_timeout_config_reaches_the_loop(qwen_tokenizer):
     from opid_mega.config import ConfigError, load_config
-    from opid_mega.trainer import build_agent_loop
+    from opid_mega.rollout.launch import build_agent_loop
 
     assert load_config().env.step_timeout_s == 60.0
     cfg = load_config(overrides=["env.name=search_qa", "env.step_timeout_s=2.5"])
