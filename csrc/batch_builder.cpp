@@ -1,6 +1,6 @@
 // opid_mega._C — batch construction for forked (shared-prefix) scoring, plain training micro-batches, and
 // token advantages. Byte-identical to the numpy reference in opid_mega/batching/reference.py and
-// opid_mega/scoring/layout.py (read those for the semantics; this file mirrors them step by step).
+// opid_mega/batching/layout.py (read those for the semantics; this file mirrors them step by step).
 //
 // Inputs are 1-D C-contiguous buffers (numpy arrays; torch CPU tensors via .numpy()), never cast or copied:
 // a wrong dtype is a TypeError, a bad shape/offset/length a ValueError naming the argument. Token ids come as

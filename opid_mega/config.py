@@ -369,7 +369,7 @@ class DeployConfig:
     balancer: Literal["client", "router"] = "client"
     # Extra `python -m sglang_router.launch_router` arguments, verbatim
     router_args: list = field(default_factory=list)
-    # The address every server and the router the trainer launches bind and advertise (opid_mega.hosts): auto = the
+    # The address every server and the router the trainer launches bind and advertise (opid_mega.infra.hosts): auto = the
     # address of this node's interface that routes to the rendezvous host (MASTER_ADDR; 127.0.0.1 in a one-node
     # run), or an address of the node, or an interface name (eth0, ib0: the same config on every node). Every
     # launched server and the router also get a per-run random API key, sent by every client, logged nowhere.
@@ -822,7 +822,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 
 # Keys whose values are secrets: never written by dump_config (config.yaml, `python -m opid_mega.config`, experiment
-# records) and shown as *** in logged command lines (opid_mega.redact).
+# records) and shown as *** in logged command lines (opid_mega.infra.redact).
 SECRET_KEYS = ("analyzer.api_key",)
 
 

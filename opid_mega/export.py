@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from opid_mega.rundir import fsync_path
+from opid_mega.infra.files import fsync_path
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32",
           "float16": "float16"}
@@ -342,9 +342,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "the run)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR when it exists and is not empty")
     args = p.parse_args(argv)
-    from opid_mega.cli import _quiet
+    from opid_mega.infra.runtime import quiet
 
-    _quiet()
+    quiet()
     try:
         r = export_hf(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, force=args.force,
                       log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -168,7 +168,7 @@ def wandb_settings(logging_cfg: Any, run_dir: str | os.PathLike) -> Optional[dic
     """wandb.init keyword arguments from the config's `logging` section (None when logging.wandb is off)."""
     if not getattr(logging_cfg, "wandb", False):
         return None
-    from opid_mega.rundir import run_id
+    from opid_mega.infra.files import run_id
 
     run_dir = Path(run_dir)
     rid = run_id(run_dir, create=False)
@@ -230,8 +230,8 @@ class MetricsLogger:
             self.wandb = self._wandb_init(wandb, config)
 
         self.bar = None
-        if progress:  # a tqdm bar on a terminal, one line per iteration in a log file (opid_mega.progress)
-            from opid_mega.progress import progress as make_progress
+        if progress:  # a tqdm bar on a terminal, one line per iteration in a log file (opid_mega.infra.progress)
+            from opid_mega.infra.progress import progress as make_progress
 
             self.bar = make_progress(total=total, initial=resume_step or 0, desc=desc, unit="it")
 

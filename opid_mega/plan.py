@@ -332,7 +332,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     # the K/V of the micro-batch (shared prefixes computed once, attended by every branch) and the head chunk
     # (the trainer's bound: original + two skill contexts, each section capped at analyzer.max_skill_tokens plus its
     # frame, ~30 tokens of title and instruction with the Qwen/Llama tokenizers)
-    from opid_mega.scoring.layout import fork_sample_bound
+    from opid_mega.batching.layout import fork_sample_bound
 
     score_tokens = max(t.micro_batch_tokens, fork_sample_bound(r.max_prompt_tokens, r.max_response_tokens,
                                                                [cfg.analyzer.max_skill_tokens + 40] * 2)) \
@@ -550,7 +550,7 @@ def sync_method(cfg: Config, gpu_cluster: bool) -> str:
 
 def _remote_attached(cfg: Config) -> list[str]:
     """The hosts of rollout.sglang_url (attached servers) that are not this machine's loopback."""
-    from opid_mega.hosts import url_host
+    from opid_mega.infra.hosts import url_host
 
     hosts = [url_host(u) for u in cfg.rollout.sglang_url.split(",") if u.strip()] if cfg.rollout.sglang_url else []
     return [h for h in hosts if h not in ("localhost", "127.0.0.1", "::1") and not h.startswith("127.")]

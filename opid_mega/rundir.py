@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import socket
 import time
 from pathlib import Path
@@ -31,56 +30,15 @@ from typing import Optional, Sequence
 
 import yaml
 
+from opid_mega.infra.files import write_atomic
+
 CONFIG_FILE = "config.yaml"
 OVERRIDES_FILE = "resume_overrides.jsonl"
-RUN_ID_FILE = "run_id"
 LOCK_FILE = ".lock"
 
 
 class RunDirError(Exception):
     """A run directory that cannot be used as asked; the message is one line naming the problem and what to do."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Atomic files
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def write_atomic(path: str | os.PathLike, text: str, mode: int = 0o600) -> None:
-    """Write ``text`` to a temporary file in ``path``'s directory (created with ``mode``), fsync it, rename it over
-    ``path`` and fsync the directory: a reader sees the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # whatever the umask
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_path(path.parent)
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory (a directory: its entries, e.g. a rename in it); best effort, never raises (a
-    file system without directory fsync, a path that went away)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_config(run_dir: str | os.PathLike, cfg) -> None:
@@ -188,7 +146,7 @@ def record_resume(run_dir: str | os.PathLike, step: int, overrides: Sequence[str
     overrides = [o for o in overrides if str(o).partition("=")[0].strip() not in SECRET_KEYS]
     if not overrides:
         return
-    from opid_mega.jsonl import cut_to_last_line
+    from opid_mega.infra.jsonl import cut_to_last_line
 
     path = Path(run_dir) / OVERRIDES_FILE
     cut_to_last_line(path)
@@ -224,38 +182,6 @@ def checkpoint_digest(ckpt_dir: str, step: int) -> Optional[dict]:
         return json.loads(raw) if raw else None
     except Exception:  # noqa: BLE001 - checked for completeness by checkpoint.select_step already
         return None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Run id
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def run_id(run_dir: str | os.PathLike, create: bool = True) -> Optional[str]:
-    """The run's id, ``<directory name>-<8 hex>``, fixed at the run's start and kept in run_dir/run_id so that a
-    resume reuses it. ``create``: make one when there is none (global rank 0)."""
-    path = Path(run_dir) / RUN_ID_FILE
-    try:
-        rid = path.read_text().strip()
-        if rid:
-            return rid
-    except FileNotFoundError:
-        pass
-    if not create:
-        return None
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(run_dir).resolve().name) or "run"
-    rid = f"{name}-{secrets.token_hex(4)}"
-    write_atomic(path, rid + "\n", mode=0o644)
-    return rid
-
-
-def new_run_id(run_dir: str | os.PathLike) -> str:
-    """A fresh start: a new id (an old run_id file of a run that never saved a checkpoint is replaced)."""
-    try:
-        os.unlink(Path(run_dir) / RUN_ID_FILE)
-    except FileNotFoundError:
-        pass
-    return run_id(run_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

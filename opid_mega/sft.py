@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from opid_mega.config import Config
-from opid_mega.progress import progress
+from opid_mega.infra.progress import progress
 
 SFT_VERSION = 2
 _MARKER = ".opid_sft_complete"

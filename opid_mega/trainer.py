@@ -147,6 +147,7 @@ class Trainer:
         # Rollout, analysis, evaluation, metrics and the audit log live on global rank 0; the batch is broadcast.
         self.rank0 = torch.distributed.get_rank() == 0
         from opid_mega import rundir
+        from opid_mega.infra import files
 
         if config_digest is None:
             saved = self.run_dir / rundir.CONFIG_FILE
@@ -167,12 +168,12 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume:  # config.yaml stays as the run started; this resume's overrides get their own record
-                rundir.run_id(self.run_dir)  # (a run from before run ids gets one)
+                files.run_id(self.run_dir)  # (a run from before run ids gets one)
                 rundir.record_resume(self.run_dir, self.start, list(resume_overrides))
             else:  # a fresh start (the CLI refused a directory holding checkpoints): a new run in this directory
                 rundir.write_config(self.run_dir, cfg)
                 self.config_digest = rundir.config_digest(cfg)  # exactly what config.yaml now holds
-                rundir.new_run_id(self.run_dir)
+                files.new_run_id(self.run_dir)
                 for name in ("audit.jsonl", rundir.OVERRIDES_FILE):  # a predecessor that never saved a checkpoint
                     rundir.move_file_aside(self.run_dir / name)
         self.tokenizer = load_tokenizer(hf_dir)
@@ -193,7 +194,7 @@ class Trainer:
         # skill section never exceeds section_caps[kind] tokens (fit_section), and one step-sample's fork group (the
         # original context and one per section, each at most prompt + section + response) always fits the scoring
         # budget: no analyzer output can make the fork scorer refuse a sample.
-        from opid_mega.scoring.layout import fork_sample_bound
+        from opid_mega.batching.layout import fork_sample_bound
 
         self.section_caps = {k: skill_section_cap(self.encode_text, k, cfg.analyzer.max_skill_tokens) for k in KINDS}
         fork_budget = max(cfg.train.micro_batch_tokens,
@@ -218,9 +219,9 @@ class Trainer:
             Colocation(cfg, self.policy, None).before_sync()
         # every node's first rank launches that node's rollout servers; global rank 0 drives all of them
         # one random API key per run for every server and the router it launches (rank 0 draws it; it travels only
-        # over the control group and into the servers through a pipe: opid_mega.keyed), the servers bound to the
+        # over the control group and into the servers through a pipe: opid_mega.infra.keyed), the servers bound to the
         # node's cluster address (deploy.bind_host)
-        from opid_mega.hosts import run_api_key
+        from opid_mega.infra.hosts import run_api_key
 
         self.api_key = broadcast(run_api_key)
         self.servers = launch_node_servers(cfg, hf_dir, self.api_key) \
@@ -455,8 +456,8 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False, **tr
     try:
         trainer = Trainer(cfg, run_dir, resume, **trainer_kw)
         trainer.fit()
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.shutdown.Interrupted)
-        from opid_mega import shutdown
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.infra.shutdown.Interrupted)
+        from opid_mega.infra import shutdown
         from opid_mega.megatron.checkpoint import latest_step
 
         run = Path(run_dir or cfg.logging.run_dir)

@@ -103,7 +103,7 @@ def test_sft_section_and_bad_sft_values_are_rejected():
 
 
 def test_core_budget_keys_and_missing_cores(capsys):
-    from opid_mega.cli import apply_core_budget
+    from opid_mega.infra.runtime import apply_core_budget
 
     cfg = load_config(None, ["deploy.trainer_cpus=[0]", "deploy.server_cpus=[0]"])
     assert cfg.deploy.trainer_cpus == [0] and cfg.deploy.server_cpus == [0]

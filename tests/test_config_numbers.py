@@ -93,7 +93,7 @@ def test_through_python_m_opid_mega_config_and_opid_train(capsys, monkeypatch):
     exit 2 with one line on stderr, or exit 0 with the YAML. opid-train gets the refused values of TRAIN_TEXTS."""
     from opid_mega import cli
 
-    monkeypatch.setattr(cli, "_quiet", lambda: None)  # no thread / warning settings changed in the test process
+    monkeypatch.setattr(cli, "quiet", lambda: None)  # no thread / warning settings changed in the test process
     refused = 0
     for key, _ in KEYS:
         for text in TEXTS:

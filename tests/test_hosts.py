@@ -1,4 +1,4 @@
-"""Issue 23: the address rules (opid_mega.hosts), the keyed server launcher (opid_mega.keyed), who feeds which server
+"""Issue 23: the address rules (opid_mega.infra.hosts), the keyed server launcher (opid_mega.infra.keyed), who feeds which server
 (weight_sync.feeders), the bucket broadcast to feeders, and the planner's weight-sync reachability rules. Fast; the
 same rules on a real simulated cluster: tests/launch/test_cluster.py."""
 import json
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from opid_mega import hosts
+from opid_mega.infra import hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,12 +71,12 @@ def test_keyed_launcher_adds_the_key_and_redacts_every_output(tmp_path):
         subprocess.run([sys.executable, "-c", "import sys; print('child', sys.argv[1])", sys.argv[-1]])
         sys.stdout.write("long " + "y" * 70000 + sys.argv[-1] + "z" * 10 + "\\n")
     '''))
-    from opid_mega.keyed import key_channel
+    from opid_mega.infra.keyed import key_channel
 
     env, fds = key_channel(key)
     env = {**os.environ, **env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
-        r = subprocess.run([sys.executable, "-m", "opid_mega.keyed", "fakeserver", "--port", "1"], env=env,
+        r = subprocess.run([sys.executable, "-m", "opid_mega.infra.keyed", "fakeserver", "--port", "1"], env=env,
                            pass_fds=fds, capture_output=True, timeout=60)
     finally:
         for fd in fds:
@@ -87,16 +87,16 @@ def test_keyed_launcher_adds_the_key_and_redacts_every_output(tmp_path):
     assert "argv ['--port', '1', '--api-key', '***']" in out and "stderr has ***" in out and "child ***" in out
     assert "env []" in out  # neither variable reaches the server's own children
     assert ("y" * 100 + "***" + "z" * 10) in out  # a line longer than the pump's 64 KiB window
-    from opid_mega.keyed import API_KEY_FD_ENV
+    from opid_mega.infra.keyed import API_KEY_FD_ENV
 
     by_hand = {k: v for k, v in env.items() if k != API_KEY_FD_ENV}
-    r = subprocess.run([sys.executable, "-m", "opid_mega.keyed", "fakeserver", "--api-key", "x"],
+    r = subprocess.run([sys.executable, "-m", "opid_mega.infra.keyed", "fakeserver", "--api-key", "x"],
                        env={**by_hand, hosts.API_KEY_ENV: "abcdefgh"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "give it once" in r.stderr
 
 
 def test_redacting_pump_masks_a_key_split_across_writes():
-    from opid_mega.keyed import _redacting_pump
+    from opid_mega.infra.keyed import _redacting_pump
 
     secret = b"SECRET-KEY-0123456789"
     r, w = os.pipe()

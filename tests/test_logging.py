@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from opid_mega import rundir
 from opid_mega.config import load_config, redacted
-from opid_mega.console_log import TRAIN_LOG, TeeStream, _LogFile, tee_console
+from opid_mega.infra import files
+from opid_mega.infra.console_log import TRAIN_LOG, TeeStream, _LogFile, tee_console
 from opid_mega.metrics import MetricsLogger, read_metrics, wandb_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_wandb_offline_gets_the_config_and_every_metric_and_tensorboard_the_conf
         monkeypatch.delenv(k, raising=False)
     run = tmp_path / "run"
     run.mkdir()
-    rid = rundir.new_run_id(run)
+    rid = files.new_run_id(run)
     cfg = load_config(CONFIG, ["logging.wandb=true", "logging.wandb_project=opid-test", "logging.wandb_name=tiny",
                                "logging.wandb_tags=[opid, cpu]", "train.lr=3.0e-6"])
     cfg.analyzer.api_key = SECRET
@@ -68,11 +68,11 @@ def test_wandb_offline_gets_the_config_and_every_metric_and_tensorboard_the_conf
             log.log(2, {"train/success_rate": 0.75, "ppo/kl": 0.125})
     finally:
         wandb.teardown()  # the wandb-core service process of this test process
-    files = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / f"run-{rid}.wandb"))
-    assert len(files) == 1, os.listdir(tmp_path / "wb" / "wandb")
-    raw = Path(files[0]).read_bytes()
+    found = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / f"run-{rid}.wandb"))
+    assert len(found) == 1, os.listdir(tmp_path / "wb" / "wandb")
+    raw = Path(found[0]).read_bytes()
     assert SECRET.encode() not in raw
-    recs = _wandb_records(files[0])
+    recs = _wandb_records(found[0])
     runs = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
     assert runs and runs[0].run_id == rid and runs[0].display_name == "tiny" and runs[0].project == "opid-test"
     assert list(runs[0].tags) == ["opid", "cpu"]
@@ -186,7 +186,7 @@ def test_opid_train_writes_train_log_and_a_fresh_start_moves_the_old_one_aside(t
     directory is handled: what it printed is in train.log; a second fresh start moves that file aside (train.log.<time>.bak)."""
     from opid_mega import cli
 
-    monkeypatch.setattr(cli, "_quiet", lambda: None)
+    monkeypatch.setattr(cli, "quiet", lambda: None)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     run = tmp_path / "run"

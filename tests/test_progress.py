@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from opid_mega.progress import LineProgress, _fmt_seconds, progress, progress_mode
+from opid_mega.infra.progress import LineProgress, _fmt_seconds, progress, progress_mode
 
 
 class FakeTTY(io.StringIO):
@@ -55,7 +55,7 @@ def test_environment_override(monkeypatch):
 
 def test_eta_from_the_rate(monkeypatch):
     clock = iter([100.0, 110.0])  # start, then 10 s after 2 of 6 updates: 5 s each, 4 left -> 20 s
-    monkeypatch.setattr("opid_mega.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("opid_mega.infra.progress.time.monotonic", lambda: next(clock))
     bar = LineProgress(total=6, desc="d", stream=io.StringIO())
     bar.n = 2
     assert bar.line() == "d 2/6 [10s<20s, 5.0s/it]"

@@ -1,4 +1,4 @@
-"""The run directory as a contract (opid_mega.rundir, opid_mega.jsonl), without a trainer: torn JSONL repair, the audit
+"""The run directory as a contract (opid_mega.rundir, opid_mega.infra.jsonl), without a trainer: torn JSONL repair, the audit
 log's resume, atomic config.yaml, the strict config read, the refusals of opid-train's command line, the lock, the
 weight-sync directory. The trainer-level fault tests are tests/trainer/test_run_integrity.py."""
 import fcntl
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from opid_mega import rundir
-from opid_mega.jsonl import cut_to_last_line, drop_records
+from opid_mega.infra import files
+from opid_mega.infra.jsonl import cut_to_last_line, drop_records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -150,7 +151,7 @@ def cli(monkeypatch, capsys):
     """opid-train's train_main in this process (no subprocess start-up): cli(*args) -> (exit code, stdout, stderr)."""
     from opid_mega import cli as module
 
-    monkeypatch.setattr(module, "_quiet", lambda: None)  # no thread / warning settings changed in the test process
+    monkeypatch.setattr(module, "quiet", lambda: None)  # no thread / warning settings changed in the test process
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
 
@@ -281,9 +282,9 @@ def test_move_aside_and_run_id(tmp_path):
     b = rundir.move_aside(d)
     assert a != b and a.name.startswith("exp.old-") and (a / "x").read_text() == "1" and not d.exists()
     d.mkdir()
-    rid = rundir.run_id(d)
-    assert rid.startswith("exp-") and len(rid) == len("exp-") + 8 and rundir.run_id(d) == rid  # kept on resume
-    assert rundir.new_run_id(d) != rid  # a fresh start: a new one
+    rid = files.run_id(d)
+    assert rid.startswith("exp-") and len(rid) == len("exp-") + 8 and files.run_id(d) == rid  # kept on resume
+    assert files.new_run_id(d) != rid  # a fresh start: a new one
 
 
 def test_weight_sync_disk_dir_is_run_owned_and_only_its_versions_are_removed(tmp_path):
@@ -295,7 +296,7 @@ def test_weight_sync_disk_dir_is_run_owned_and_only_its_versions_are_removed(tmp
     run.mkdir()
     cfg = load_config(CONFIG, [f"sync.disk_dir={shared}"])
     ws = WeightSync(None, None, cfg, str(run))
-    assert ws.disk_dir == shared / rundir.run_id(run) and ws.disk_dir.parent == shared
+    assert ws.disk_dir == shared / files.run_id(run) and ws.disk_dir.parent == shared
     assert WeightSync(None, None, cfg, str(run)).disk_dir == ws.disk_dir  # a resume reuses the run id
     assert WeightSync(None, None, load_config(CONFIG), str(run)).disk_dir == run / "weight_sync"
     # what shares the directory: someone's venv and data, another run's live weights, our old versions

@@ -15,7 +15,7 @@ def _run(code, **env):
     return r.stdout.strip()
 
 
-CODE = "from opid_mega.cli import configure_threads, available_cores; n = configure_threads(); " \
+CODE = "from opid_mega.infra.runtime import configure_threads, available_cores; n = configure_threads(); " \
        "import torch; print(n, torch.get_num_threads(), available_cores())"
 
 
@@ -36,7 +36,7 @@ def test_threads_split_among_local_ranks_and_respect_omp_num_threads():
 
 
 def test_dependency_warnings_are_filtered_but_ours_are_not():
-    from opid_mega.cli import filter_dependency_warnings
+    from opid_mega.infra.runtime import filter_dependency_warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from opid_mega.config import Config, dump_config, load_config, resolve_api_key
-from opid_mega.redact import redact_args, redact_text
+from opid_mega.infra.redact import redact_args, redact_text
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "sk-SECRET-test-4b1d0c"

@@ -1,4 +1,4 @@
-"""opid_mega.shutdown: SIGTERM / SIGHUP take Ctrl-C's path, a checkpoint write holds them, the launched process
+"""opid_mega.infra.shutdown: SIGTERM / SIGHUP take Ctrl-C's path, a checkpoint write holds them, the launched process
 groups are stopped, and the watchdog ends a process whose main thread is blocked (issue 22, item 6).
 
 The handlers and the watchdog are process-wide, so every case that installs them runs in a child process (the
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from opid_mega import shutdown
+from opid_mega.infra import shutdown
 
 # The child: registers a process group (`sleep`, its own session, like a launched server), starts a plain child
 # process (like an env worker: in the child's own process group), installs the handlers, prints READY, then waits in the main thread. BLOCK=1: SIGTERM/SIGHUP blocked in the main thread only, so the signal
@@ -22,7 +22,7 @@ from opid_mega import shutdown
 # it. Otherwise the interrupt is raised in the main thread, which reports and exits like opid-train.
 CHILD = textwrap.dedent("""
     import os, signal, subprocess, sys, time
-    from opid_mega import shutdown
+    from opid_mega.infra import shutdown
     group = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     shutdown.register_group(group.pid, "a server")

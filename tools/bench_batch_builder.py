@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from opid_mega import batching
-from opid_mega.scoring.layout import ContextBatch
+from opid_mega.batching.layout import ContextBatch
 
 SHAPES = {
     # name: (tasks, trajectories per task, steps, prompt range, response range, critical steps K)

@@ -335,7 +335,7 @@ def move_secrets(overrides: Sequence[str]) -> tuple[list, dict]:
 
 def run_logged(name: str, cmd: list, log_path: Path, env: dict) -> float:
     """Run one step as a subprocess with its output in log_path; its wall seconds, or ExperimentError."""
-    from opid_mega.redact import redact_args
+    from opid_mega.infra.redact import redact_args
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -350,7 +350,7 @@ def run_logged(name: str, cmd: list, log_path: Path, env: dict) -> float:
 
 
 def spec_of(config: str, overrides: Sequence[str]) -> dict:
-    from opid_mega.redact import redact_args
+    from opid_mega.infra.redact import redact_args
 
     text = (ROOT / config).read_text() if not Path(config).is_absolute() else Path(config).read_text()
     return {"config": config, "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -599,7 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if argv and argv[0] == "_probe":  # internal: the Δ probe of a model directory, as JSON
         config, model_dir, out_json, *overrides = argv[1:]
-        from opid_mega.cli import configure_threads, filter_dependency_warnings
+        from opid_mega.infra.runtime import configure_threads, filter_dependency_warnings
 
         filter_dependency_warnings()
         configure_threads()

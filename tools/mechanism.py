@@ -319,7 +319,7 @@ def cmd_probe(out: Path, env: dict) -> dict:
     warm = warm_start(out, env)
     probe_file = out / "probe.json"
     if not probe_file.exists():
-        from opid_mega.cli import configure_threads
+        from opid_mega.infra.runtime import configure_threads
 
         configure_threads()
         probe = probe_doors(load_cfg(), str(warm))

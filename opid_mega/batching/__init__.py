@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from opid_mega.batching import reference
-from opid_mega.scoring.layout import ContextBatch, flatten_contexts, shared_fraction
+from opid_mega.batching.layout import ContextBatch, flatten_contexts, shared_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -234,14 +234,14 @@ class PackedBatches:
             flat = np.asarray(_np(gathered))
             if flat.shape != (self.flat["gather_rows"].size,):
                 raise ValueError(f"unpack_logprobs: shape {flat.shape}, expected ({self.flat['gather_rows'].size},)")
-        from opid_mega.scoring.layout import unpack_logprobs
+        from opid_mega.batching.layout import unpack_logprobs
         return unpack_logprobs(flat, self.flat["ctx_gather_start"], self.resp_lens, self.sample_offsets)
 
 
 def build_fork_batches(contexts: ContextBatch, budget: int, num_ranks: int = 1, *, share_prompts: bool = True,
                        max_group_tokens: Optional[int] = None, min_micro_batches: int = 1,
                        backend: Optional[str] = None) -> PackedBatches:
-    """Scoring micro-batches in the fork layout (opid_mega.scoring.layout), balanced over `num_ranks` DP ranks.
+    """Scoring micro-batches in the fork layout (opid_mega.batching.layout), balanced over `num_ranks` DP ranks.
 
     Groups (one shared prefix + branches) never split; a sample larger than `budget` (or `max_group_tokens`)
     raises ValueError naming it.

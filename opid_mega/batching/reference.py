@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from opid_mega.scoring.layout import (
+from opid_mega.batching.layout import (
     MAX_INT32,
     check_array,
     check_contexts,

@@ -39,7 +39,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from opid_mega.megatron import extra_state
-from opid_mega.rundir import fsync_path
+from opid_mega.infra.files import fsync_path
 
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
@@ -123,10 +123,10 @@ def _set_rng_state(st: dict) -> None:
 def _ctrl_c_after_write():
     """Ctrl-C (SIGINT) while a checkpoint is written is held back until the write is complete, then raised as
     KeyboardInterrupt; so are SIGTERM and SIGHUP when opid-train turned them into interrupts
-    (opid_mega.shutdown: raised as shutdown.Interrupted). The writer processes megatron forks meanwhile inherit the
+    (opid_mega.infra.shutdown: raised as shutdown.Interrupted). The writer processes megatron forks meanwhile inherit the
     holding handler, so the same signal (a terminal sends Ctrl-C to the whole process group) cannot kill them halfway
-    through a file either. The write is marked in opid_mega.shutdown, whose watchdog waits for it."""
-    from opid_mega import shutdown
+    through a file either. The write is marked in opid_mega.infra.shutdown, whose watchdog waits for it."""
+    from opid_mega.infra import shutdown
 
     held = {} if threading.current_thread() is not threading.main_thread() else {
         s: h for s in shutdown.SIGNALS if shutdown.is_interrupt_handler(h := signal.getsignal(s))}

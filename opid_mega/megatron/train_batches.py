@@ -205,7 +205,7 @@ class TrainData:
     def _fork_micro_batches(self, budget: int, num_ranks: int, rank: int, backend: Optional[str]) -> list[PackedBatch]:
         """Fork-layout micro-batches: per sample its original context, then its skill contexts (module docstring)."""
         from opid_mega.batching import build_fork_batches
-        from opid_mega.scoring.layout import ContextBatch
+        from opid_mega.batching.layout import ContextBatch
 
         S = self.num_samples
         n_skill = np.diff(self.skill_sample_offsets)

@@ -20,7 +20,7 @@ One sync:
        distributed  update_weights_from_distributed: global rank 0 is rank 0 of a process group with each engine's
                     TP ranks (NCCL on GPU, gloo on CPU) and broadcasts every bucket; engines on other GPUs/hosts
        disk         HF safetensors under <sync.disk_dir>/<run id>/v<version> (a filesystem the servers see; the run
-                    id is opid_mega.rundir.run_id, kept across resumes; empty disk_dir: <run_dir>/weight_sync/v<version>),
+                    id is opid_mega.infra.files.run_id, kept across resumes; empty disk_dir: <run_dir>/weight_sync/v<version>),
                     then update_weights_from_disk; afterwards only this run's older v<digits> entries are removed
                     (never anything else in a shared directory); the fallback
        local        an in-process engine (opid_mega.rollout.local_engine): its update_weights copies the tensors
@@ -101,8 +101,8 @@ def feeders(servers: list, ranks: list) -> dict:
 
 
 def _is_local(url: str) -> bool:
-    """The engine at `url` runs on this machine (opid_mega.hosts: exact host comparison, never a substring)."""
-    from opid_mega.hosts import is_local_url
+    """The engine at `url` runs on this machine (opid_mega.infra.hosts: exact host comparison, never a substring)."""
+    from opid_mega.infra.hosts import is_local_url
 
     return is_local_url(url)
 
@@ -127,7 +127,7 @@ def disk_dir(base: str, run_dir: str) -> Path:
     <run_dir>/weight_sync when ``base`` is empty. (Global rank 0: it may create the run id.)"""
     if not base:
         return Path(run_dir) / "weight_sync"
-    from opid_mega.rundir import run_id
+    from opid_mega.infra.files import run_id
 
     return Path(base) / run_id(run_dir)
 
@@ -483,7 +483,7 @@ class WeightSync:
         # the address the server connects to: loopback for a server on this machine, else the address of our
         # interface that routes to the server's host (deploy.bind_host's rule; never gethostbyname(gethostname()),
         # which is 127.0.1.1 on a stock Debian/Ubuntu host)
-        from opid_mega.hosts import LOOPBACK, bind_host, url_host
+        from opid_mega.infra.hosts import LOOPBACK, bind_host, url_host
 
         host = LOOPBACK if _is_local(e.url) else bind_host(self.cfg.deploy.bind_host, target=url_host(e.url))
         import datetime

@@ -193,7 +193,7 @@ def export_hf_weights(chunks, hf_config, bucket_bytes: int = 256 << 20, all_stag
     ``[(hf_name, tensor), ...]``). A collective: every rank must iterate it to the end. TP shards are
     all-gathered; with ``all_stages`` every pipeline stage's tensors are broadcast over the PP group so each
     rank sees the whole model (else a rank yields only its own stage's tensors)."""
-    from opid_mega.buckets import size_buckets
+    from opid_mega.infra.buckets import size_buckets
 
     return size_buckets(_stream_hf_tensors(chunks, arch_of(hf_config), all_stages), bucket_bytes)
 

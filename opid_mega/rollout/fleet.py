@@ -69,8 +69,8 @@ from typing import Any, Iterable, Optional, Sequence
 import requests
 import torch
 
-from opid_mega import shutdown as _shutdown
-from opid_mega.redact import redact_args
+from opid_mega.infra import shutdown as _shutdown
+from opid_mega.infra.redact import redact_args
 from opid_mega.rollout.engine import EngineError, GenerationResult, RolloutDeadline, SamplingParams, check_prompts
 from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
 
@@ -440,8 +440,8 @@ class RouterFleet(FleetEngine):
                  port: Optional[int] = None, log_dir: Optional[str] = None, startup_timeout_s: float = 120.0,
                  request_timeout_s: float = 1800.0, python: str = sys.executable, api_key: Optional[str] = None,
                  **fleet_options):
-        """`host`: the address the router binds and is reached at (the node's cluster address: opid_mega.hosts).
-        `api_key`: the router's `--api-key` (given through opid_mega.keyed: on no command line, in no log), which it
+        """`host`: the address the router binds and is reached at (the node's cluster address: opid_mega.infra.hosts).
+        `api_key`: the router's `--api-key` (given through opid_mega.infra.keyed: on no command line, in no log), which it
         sends to the workers and asks of its clients; this fleet sends it with every request to the router."""
         fleet_options.setdefault("chunk_prompts", 1)  # one request per prompt: the router balances each
         super().__init__(engines, **fleet_options)
@@ -449,14 +449,14 @@ class RouterFleet(FleetEngine):
             if _has_flag(router_args, flag):
                 raise ValueError(f"router_args must not set {flag}; RouterFleet sets it (got "
                                  f"{redact_args(router_args)})")
-        from opid_mega.hosts import http_url
+        from opid_mega.infra.hosts import http_url
 
         self._api_key = api_key or None
         self._auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self.host = host
         self.router_port = port or free_port(host)
         self.router_url = http_url(host, self.router_port)
-        self.command = [python, "-m", *(["opid_mega.keyed"] if self._api_key else []), "sglang_router.launch_router",
+        self.command = [python, "-m", *(["opid_mega.infra.keyed"] if self._api_key else []), "sglang_router.launch_router",
                         "--worker-urls", *self.urls, "--host", host, "--port", str(self.router_port)]
         if not _has_flag(router_args, "--worker-startup-check-interval"):
             self.command += ["--worker-startup-check-interval", "1"]  # default 30 s: the workers are up already
@@ -478,8 +478,8 @@ class RouterFleet(FleetEngine):
         if _shutdown.stopping():
             raise EngineError("not launching the SGLang router: the trainer is shutting down")
         key_env, key_fds = {}, ()
-        if self._api_key:  # the key through a pipe (opid_mega.keyed)
-            from opid_mega.keyed import key_channel
+        if self._api_key:  # the key through a pipe (opid_mega.infra.keyed)
+            from opid_mega.infra.keyed import key_channel
 
             key_env, key_fds = key_channel(self._api_key)
         try:
@@ -654,7 +654,7 @@ class RouterFleet(FleetEngine):
         if self.metrics_port is None or not self.router_alive:
             return None
         try:
-            from opid_mega.hosts import http_url
+            from opid_mega.infra.hosts import http_url
 
             text = requests.get(http_url(self.host, self.metrics_port) + "/metrics", timeout=5).text
         except requests.RequestException:

@@ -76,7 +76,7 @@ def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executa
 
         gpus = node_placement(cfg.deploy, analyzer_launched=True).analyzer_gpus
         args, env = server_args(cfg, args, gpus, cfg.deploy.analyzer_mem_fraction)
-    from opid_mega.hosts import bind_host, run_api_key
+    from opid_mega.infra.hosts import bind_host, run_api_key
 
     # bound like the rollout servers (deploy.bind_host), with the run's key (random unless $OPID_SGLANG_API_KEY;
     # the analyzer client sends it)
@@ -161,7 +161,7 @@ def server_args(cfg: Config, extra: list, gpus: list, mem_fraction: float) -> tu
 def launch_node_servers(cfg: Config, hf_dir: str, api_key: Optional[str] = None) -> list:
     """This node's rollout servers (deploy.rollout_servers_per_node, placed by opid_mega.placement), started by the
     node's first rank; empty when rollout.engine is local or rollout.sglang_url attaches to running servers. They
-    bind and advertise the node's address by deploy.bind_host (opid_mega.hosts) and take `api_key` (the run's)."""
+    bind and advertise the node's address by deploy.bind_host (opid_mega.infra.hosts) and take `api_key` (the run's)."""
     from opid_mega.placement import node_placement
     from opid_mega.rollout.fleet import launch_fleet
 
@@ -173,7 +173,7 @@ def launch_node_servers(cfg: Config, hf_dir: str, api_key: Optional[str] = None)
     launches = [server_args(cfg, list(cfg.rollout.sglang_args) + (["--enable-memory-saver"] if memory_saver else []),
                             g, cfg.deploy.rollout_mem_fraction) for g in groups]
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
-    from opid_mega.hosts import bind_host
+    from opid_mega.infra.hosts import bind_host
 
     host = bind_host(cfg.deploy.bind_host)  # auto: the interface that routes to the rendezvous host
     # --dtype model.dtype unless rollout.sglang_args set it: SGLang's `auto` serves a float32 checkpoint as float16
@@ -199,7 +199,7 @@ def build_engine(cfg: Config, hf_dir: str, servers: Optional[list] = None, urls:
 
     if cfg.rollout.engine == "local":
         return make_engine("local", hf_dir, dtype=cfg.model.dtype)
-    from opid_mega.hosts import API_KEY_ENV, bind_host, run_api_key
+    from opid_mega.infra.hosts import API_KEY_ENV, bind_host, run_api_key
 
     if servers is None and urls is None:  # one process (opid-eval): this process launches the servers itself
         api_key = api_key or run_api_key()

@@ -23,7 +23,7 @@ EngineError too, never a crash or a silent success (reply shapes checked against
 see `_post_ok`). `generate(..., deadline=t)` (a time.monotonic() instant: the rollout's deadline) cuts the request
 short at t and raises RolloutDeadline, which is no server failure. When the owned server process has died, the
 error says so at once and names its log file. Launched servers register their process group with
-opid_mega.shutdown, which stops them on SIGTERM / SIGHUP / SIGINT of the trainer.
+opid_mega.infra.shutdown, which stops them on SIGTERM / SIGHUP / SIGINT of the trainer.
 
 Log-probs follow SGLang's default (opid_mega.rollout.engine): log_softmax(logits / T) of the sampled token, before
 top-p. Stopping: SGLang always stops at the model's EOS tokens too (generation_config / tokenizer eos); pass those
@@ -53,8 +53,8 @@ from typing import Any, Iterable, Optional, Sequence
 import requests
 import torch
 
-from opid_mega import shutdown as _shutdown
-from opid_mega.redact import redact_args
+from opid_mega.infra import shutdown as _shutdown
+from opid_mega.infra.redact import redact_args
 from opid_mega.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineError, GenerationResult,
                                       RolloutDeadline, SamplingParams, check_prompts)
 
@@ -128,12 +128,12 @@ def build_server_command(model_path: str, host: str, port: int, server_args: Seq
                          dtype: Optional[str] = None) -> list[str]:
     """The launch command: fixed model/host/port, the CPU defaults (when cpu and not overridden), then
     server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype). `keyed`:
-    through opid_mega.keyed, which adds `--api-key` from a pipe (the key is on no command line and in no log)."""
+    through opid_mega.infra.keyed, which adds `--api-key` from a pipe (the key is on no command line and in no log)."""
     server_args = with_dtype(server_args, dtype)
     for flag in ("--model-path", "--host", "--port", "--api-key"):
         if _has_flag(server_args, flag):
             raise ValueError(f"server_args must not set {flag}; SGLangEngine sets it (got {list(redact_args(server_args))})")
-    cmd = [python, "-m", *(["opid_mega.keyed"] if keyed else []), "sglang.launch_server", "--model-path",
+    cmd = [python, "-m", *(["opid_mega.infra.keyed"] if keyed else []), "sglang.launch_server", "--model-path",
            str(model_path), "--host", host, "--port", str(port)]
     if cpu:
         for flag, value in CPU_DEFAULT_ARGS:
@@ -264,7 +264,7 @@ def check_against_manifest(manifest: Optional[dict], bucket, where: str = "") ->
 
 def _buckets(items, bucket_bytes: int):
     """Lists of (name, tensor): `items` yields pairs (grouped here by size) or lists of pairs (kept as they are)."""
-    from opid_mega.buckets import size_buckets
+    from opid_mega.infra.buckets import size_buckets
 
     detached = ([(str(n), t.detach()) for n, t in item] if isinstance(item, list) else (str(item[0]), item[1].detach())
                 for item in items)
@@ -282,8 +282,8 @@ class SGLangEngine:
                  weight_transport: Optional[str] = None, python: str = sys.executable,
                  env: Optional[dict] = None, cpus: Optional[Sequence[int]] = None, api_key: Optional[str] = None):
         """`host`: the address a launched server binds and is reached at (the node's cluster address in a multi-node
-        run: opid_mega.hosts.bind_host). `api_key`: a launched server gets it (`--api-key`, through
-        opid_mega.keyed: on no command line, in no log); every request carries `Authorization: Bearer <key>`."""
+        run: opid_mega.infra.hosts.bind_host). `api_key`: a launched server gets it (`--api-key`, through
+        opid_mega.infra.keyed: on no command line, in no log); every request carries `Authorization: Bearer <key>`."""
         if (model_path is None) == (url is None):
             raise ValueError("SGLangEngine needs exactly one of model_path (launch a server) or url (attach)")
         self.request_timeout_s = float(request_timeout_s)
@@ -292,7 +292,7 @@ class SGLangEngine:
         self.backoff_max_s = float(backoff_max_s)
         self.weight_bucket_bytes = int(weight_bucket_bytes)
         if weight_transport is None:  # shared memory when the server runs here, inline bytes otherwise
-            from opid_mega.hosts import is_local_url
+            from opid_mega.infra.hosts import is_local_url
 
             weight_transport = "shm" if url is None or is_local_url(url) else "inline"
         if weight_transport not in ("shm", "inline"):
@@ -314,7 +314,7 @@ class SGLangEngine:
         else:
             if cpu is None:
                 cpu = not torch.cuda.is_available()
-            from opid_mega.hosts import http_url
+            from opid_mega.infra.hosts import http_url
 
             port = port or free_port(host)
             self.url = http_url(host, port)
@@ -373,8 +373,8 @@ class SGLangEngine:
         self._log_file.write(("$ " + " ".join(redact_args(self.command)) + "\n").encode())  # no --api-key value
         self._log_file.flush()
         key_env, key_fds = {}, ()
-        if self._api_key:  # the key through a pipe (opid_mega.keyed): on no command line, in no environment
-            from opid_mega.keyed import key_channel
+        if self._api_key:  # the key through a pipe (opid_mega.infra.keyed): on no command line, in no environment
+            from opid_mega.infra.keyed import key_channel
 
             key_env, key_fds = key_channel(self._api_key)
         try:

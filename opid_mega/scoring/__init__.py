@@ -1,29 +1,3 @@
-"""Shared-prefix (fork) layout and dual-context scoring.
-
-Keep this file import-light: `opid_mega.batching` imports `opid_mega.scoring.layout`.
-"""
-from opid_mega.scoring.layout import (
-    ContextBatch,
-    Groups,
-    check_contexts,
-    fill_micro_batch,
-    flatten_contexts,
-    group_samples,
-    sample_group_tokens,
-    sample_prefix_lengths,
-    shared_fraction,
-    unpack_logprobs,
-)
-
-__all__ = [
-    "ContextBatch",
-    "Groups",
-    "check_contexts",
-    "fill_micro_batch",
-    "flatten_contexts",
-    "group_samples",
-    "sample_group_tokens",
-    "sample_prefix_lengths",
-    "shared_fraction",
-    "unpack_logprobs",
-]
+"""Dual-context scoring: the `Scorer` interface (scorer.py: the naive two-pass scorer) and the fork scorer that
+scores every context of a step-sample in one forward over the shared-prefix layout (fork_scorer.py; the layout
+itself is opid_mega.batching.layout)."""

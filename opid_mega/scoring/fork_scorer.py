@@ -1,7 +1,7 @@
 """`ForkScorer`: all contexts of a step-sample in ONE forward that computes their shared prefix once.
 
 Each step-sample's contexts (original + one per skill) become one fork group `[prefix | branch ...]`
-(`opid_mega.scoring.layout`); step-samples with identical prompts (step 0 of every trajectory of a GRPO group)
+(`opid_mega.batching.layout`); step-samples with identical prompts (step 0 of every trajectory of a GRPO group)
 share one prefix. Groups are packed into micro-batches of at most `max_tokens` tokens and handed to
 `packed_logprob_fn`, which runs the model over each packed micro-batch (positions, branch ids and `cu_seqlens`
 drive RoPE and the fork attention) and returns the log-probs of its `gather_rows` -> `gather_targets` at the

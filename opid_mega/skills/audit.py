@@ -8,7 +8,7 @@
 
 One JSON object per line, `"type"` is "analysis" or "augmented_prompt", `"time"` is unix seconds. Every record is
 flushed as it is written (optionally fsync'ed), under a lock, so a killed run loses at most the line being written
-and threads never interleave lines. Opening the log cuts such a torn last line off (`opid_mega.jsonl`), so the next
+and threads never interleave lines. Opening the log cuts such a torn last line off (`opid_mega.infra.jsonl`), so the next
 record starts on a line of its own; `read_audit` skips one that is still there. A resumed run opens it with
 `resume_iteration=N`: the records of iterations after N (re-run from the checkpoint) are dropped first, as
 metrics.jsonl drops its lines after the resume step, so no iteration is logged twice.
@@ -45,7 +45,7 @@ class AuditLog:
         self._file = None
         self.dropped = 0  # records of iterations after resume_iteration removed on open
         if self.path is not None:
-            from opid_mega.jsonl import cut_to_last_line, drop_records
+            from opid_mega.infra.jsonl import cut_to_last_line, drop_records
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
             cut_to_last_line(self.path)

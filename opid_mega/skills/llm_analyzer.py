@@ -730,7 +730,7 @@ class LLMAnalyzer(Analyzer):
         path = self._cache_path
         if path is None or not path.exists():
             return
-        from opid_mega.jsonl import cut_to_last_line
+        from opid_mega.infra.jsonl import cut_to_last_line
 
         cut_to_last_line(path)  # a torn last line of a killed run: the next record must start on its own line
         # a torn UTF-8 byte costs that line only; records end with "\n" only (not U+2028 / NEL: splitlines() would)

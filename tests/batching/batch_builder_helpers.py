@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from opid_mega.scoring.layout import flatten_contexts
+from opid_mega.batching.layout import flatten_contexts
 
 
 @st.composite

@@ -19,7 +19,7 @@ from tolerance import assert_close_scaled  # noqa: E402
 import opid_mega.algo as algo  # noqa: E402
 from opid_mega import batching  # noqa: E402
 from opid_mega.batching import reference as ref  # noqa: E402
-from opid_mega.scoring.layout import flatten_contexts, sample_group_tokens, sample_prefix_lengths  # noqa: E402
+from opid_mega.batching.layout import flatten_contexts, sample_group_tokens, sample_prefix_lengths  # noqa: E402
 
 _C = pytest.importorskip("opid_mega._C", reason="C++ batch builder not built")
 

@@ -236,7 +236,7 @@ def test_opid_train_exits_2_on_a_bad_option(plugin_dir, capsys, monkeypatch):
     """One line, exit 2, before the run directory or anything else is made."""
     from opid_mega import cli
 
-    monkeypatch.setattr(cli, "_quiet", lambda: None)
+    monkeypatch.setattr(cli, "quiet", lambda: None)
     run = plugin_dir / "never-created"
     for overrides, line in (
             (["env.name=guess_env:GuessEnv", "env.options.sizes=4"],

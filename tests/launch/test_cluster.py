@@ -167,12 +167,12 @@ def in_node(cluster, k: int, code: str, timeout: float = 60) -> str:
 def test_simulated_cluster_nodes_are_separate_hosts_and_leave_nothing_behind(tmp_path):
     """Each node: its own host name, hosts file (own name on 127.0.1.1, the others on their addresses), loopback and
     address; a server on node 0's cluster address is reached from node 1, one on node 0's loopback is not; a link
-    taken down stops traffic and comes back; the host rules of opid_mega.hosts hold there (auto bind address, exact
+    taken down stops traffic and comes back; the host rules of opid_mega.infra.hosts hold there (auto bind address, exact
     local/remote); teardown (and the stale-instance sweep) leaves no namespace, process or /etc/netns entry."""
     _needs_root()
     probe = r'''
 import json, os, socket, sys
-from opid_mega.hosts import bind_host, is_local_url
+from opid_mega.infra.hosts import bind_host, is_local_url
 print(json.dumps({"host": socket.gethostname(), "own": socket.gethostbyname(socket.gethostname()),
                   "node0": socket.gethostbyname("node0"), "bind": bind_host("auto"),
                   "local": [is_local_url(u) for u in ("http://node1:1", "http://node12:1", "http://node0:1",

@@ -97,7 +97,7 @@ def test_torchrun_sh_prints_the_command_per_node():
         assert line.endswith(f"-m opid_mega.cli --resume auto --config {CONFIG} parallel.tp=2 train.iterations=3 "
                              "deploy.nodes=2 deploy.gpus_per_node=2")
     # 2 cores here, 2 ranks per node: each rank gets its share (not torchrun's forced 1 on a bigger machine)
-    from opid_mega.cli import available_cores
+    from opid_mega.infra.runtime import available_cores
 
     assert f"OMP_NUM_THREADS={max(1, available_cores() // 2)}:" in lines[0]
 

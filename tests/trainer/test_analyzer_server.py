@@ -124,8 +124,8 @@ def test_launches_a_server_for_the_model_and_shuts_it_down(tiny_cfg, tmp_path):
                                       launch=lambda c, d: launch_analyzer_server(c, d, python=str(fake)))
     try:
         argv = json.loads(argv_file.read_text())
-        # through opid_mega.keyed: the run's API key reaches the server by a pipe, never on its command line
-        assert argv[:4] == ["-m", "opid_mega.keyed", "sglang.launch_server", "--model-path"]
+        # through opid_mega.infra.keyed: the run's API key reaches the server by a pipe, never on its command line
+        assert argv[:4] == ["-m", "opid_mega.infra.keyed", "sglang.launch_server", "--model-path"]
         assert argv[4] == "/models/analyzer-7b" and "--api-key" not in argv
         assert argv[-2:] == ["--tp", "2"]  # analyzer.sglang_args verbatim, after the launcher's own flags
         assert analyzer.url == server.url + "/v1/chat/completions" and analyzer.model == "/models/analyzer-7b"

@@ -10,7 +10,7 @@ with it, checks this node's GPUs against deploy.gpus_per_node (GPU configs: fewe
 layout (TP/PP/VPP against the model) for that world size (``opid_mega.megatron.layout.config_layout_error``;
 opid-train checks the same again in every rank, but only after torchrun has started them). On a problem: one line on
 stderr, exit 2. Otherwise one line on stdout, ``NNODES NPROC_PER_NODE THREADS_PER_RANK``: the torch threads a rank
-gets are the cores this process may use divided among the node's ranks — what ``opid_mega.cli.configure_threads``
+gets are the cores this process may use divided among the node's ranks — what ``opid_mega.infra.runtime.configure_threads``
 gives a torchrun rank.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if msg:
         print(f"opid-train ({nnodes} node(s) x {nproc} rank(s) = world {world}): {msg}", file=sys.stderr)
         return 2
-    from opid_mega.cli import available_cores
+    from opid_mega.infra.runtime import available_cores
 
     print(nnodes, nproc, max(1, available_cores() // nproc))
     return 0

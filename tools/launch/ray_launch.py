@@ -82,7 +82,7 @@ class TrainerRank:
         os.environ.update({k: str(v) for k, v in env.items()})
         import torch
 
-        torch.set_num_threads(self.threads)  # opid_mega.cli.configure_threads keeps it (OMP_NUM_THREADS is set)
+        torch.set_num_threads(self.threads)  # opid_mega.infra.runtime.configure_threads keeps it (OMP_NUM_THREADS is set)
         from opid_mega.cli import train_main
 
         try:
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # run directory and config as absolute paths: the actors may start in another directory
     train_argv = with_resume_auto(absolute_paths(train_argv))
 
-    from opid_mega.cli import available_cores
+    from opid_mega.infra.runtime import available_cores
 
     if args.trainers_per_node is not None:  # check the layout before starting anything
         world = args.nodes * args.trainers_per_node

@@ -83,8 +83,8 @@ resume=(--resume auto)  # a re-run of this command line continues the run (see t
 for a in "$@"; do case "$a" in --resume|--resume=*|--overwrite) resume=() ;; esac; done
 cmd+=(-m opid_mega.cli ${resume[@]+"${resume[@]}"} "$@")  # opid_mega.cli is opid-train's entry point (train_main)
 
-# the command as shown: secret override values (analyzer.api_key=...) and --api-key values as *** (opid_mega.redact)
-shown="$("$PYTHON" -c 'import shlex, sys; from opid_mega.redact import redact_args; print(shlex.join(redact_args(sys.argv[1:])))' "${cmd[@]}" 2>/dev/null)" ||
+# the command as shown: secret override values (analyzer.api_key=...) and --api-key values as *** (opid_mega.infra.redact)
+shown="$("$PYTHON" -c 'import shlex, sys; from opid_mega.infra.redact import redact_args; print(shlex.join(redact_args(sys.argv[1:])))' "${cmd[@]}" 2>/dev/null)" ||
   shown="$(printf '%q ' "${cmd[@]}" | sed -E 's/((^| )[^ =]*(api[_-]?key|token|password|secret)=)[^ ]*/\1***/Ig; s/(--api-key )[^ ]*/\1***/g')"
 echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS: $shown" >&2
 if [[ "${OPID_LAUNCH_DRY_RUN:-0}" == 1 ]]; then exit 0; fi

@@ -106,7 +106,7 @@ class TeeStream:
 def tee_console(path: str | os.PathLike, argv: Optional[Sequence[str]] = None) -> Iterator[Optional[str]]:
     """Copy sys.stdout and sys.stderr to `path` (appended) inside the block; yields the path, or None when the file
     could not be opened (one warning line on stderr, the block runs without a copy)."""
-    from opid_mega.redact import redact_args
+    from opid_mega.infra.redact import redact_args
 
     try:
         with open(path, "ab+") as raw:  # the previous start's last line may lack its newline

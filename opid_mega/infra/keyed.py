@@ -1,8 +1,8 @@
 """Start a server with an API key that is on no command line and in no log.
 
-    OPID_SGLANG_API_KEY=<key> python -m opid_mega.keyed sglang.launch_server --model-path M ...
-    OPID_SGLANG_API_KEY=<key> python -m opid_mega.keyed sglang_router.launch_router --worker-urls ...
-    env, fds = key_channel(key); Popen([..., "-m", "opid_mega.keyed", ...], env={**env, ...}, pass_fds=fds)
+    OPID_SGLANG_API_KEY=<key> python -m opid_mega.infra.keyed sglang.launch_server --model-path M ...
+    OPID_SGLANG_API_KEY=<key> python -m opid_mega.infra.keyed sglang_router.launch_router --worker-urls ...
+    env, fds = key_channel(key); Popen([..., "-m", "opid_mega.infra.keyed", ...], env={**env, ...}, pass_fds=fds)
 
 runs `python -m MODULE ARGS --api-key <key>` in this process (runpy, as `python -m` does), with the key read from
 the pipe whose file descriptor OPID_SGLANG_API_KEY_FD names (what the trainer uses: `key_channel`), else from the
@@ -28,14 +28,14 @@ import sys
 import threading
 import time
 
-from opid_mega.hosts import API_KEY_ENV
+from opid_mega.infra.hosts import API_KEY_ENV
 
 API_KEY_FD_ENV = API_KEY_ENV + "_FD"
 MASK = b"***"
 
 
 def key_channel(key: str) -> tuple[dict, tuple]:
-    """(environment entries, pass_fds) that hand `key` to a `python -m opid_mega.keyed ...` child through a pipe:
+    """(environment entries, pass_fds) that hand `key` to a `python -m opid_mega.infra.keyed ...` child through a pipe:
     give both to subprocess.Popen, then os.close() the fd (the child has its own copy)."""
     r, w = os.pipe()
     try:
@@ -126,14 +126,14 @@ def redact_output(secret: str) -> None:
 
 def main(argv: list) -> None:
     if not argv:
-        print("usage: python -m opid_mega.keyed MODULE [ARGS...] (key in $" + API_KEY_ENV + ")",
+        print("usage: python -m opid_mega.infra.keyed MODULE [ARGS...] (key in $" + API_KEY_ENV + ")",
               file=sys.stderr)
         sys.exit(2)
     module, args = argv[0], list(argv[1:])
     key = read_key()
     if key:
         if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
-            print(f"opid_mega.keyed: {module} got --api-key on its command line and in ${API_KEY_ENV}; "
+            print(f"opid_mega.infra.keyed: {module} got --api-key on its command line and in ${API_KEY_ENV}; "
                   "give it once, in the environment", file=sys.stderr)
             sys.exit(2)
         redact_output(key)

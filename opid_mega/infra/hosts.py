@@ -33,7 +33,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 LOOPBACK = "127.0.0.1"
-API_KEY_ENV = "OPID_SGLANG_API_KEY"  # how a launched server / the router receives its key (opid_mega.keyed)
+API_KEY_ENV = "OPID_SGLANG_API_KEY"  # how a launched server / the router receives its key (opid_mega.infra.keyed)
 
 
 class BindHostError(ValueError):

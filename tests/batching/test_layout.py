@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "batching"))
 from batch_builder_helpers import context_batches  # noqa: E402
 
 from opid_mega.batching import build_fork_batches  # noqa: E402
-from opid_mega.scoring.layout import flatten_contexts, sample_prefix_lengths, unpack_logprobs  # noqa: E402
+from opid_mega.batching.layout import flatten_contexts, sample_prefix_lengths, unpack_logprobs  # noqa: E402
 
 
 def visible_context(mb, row):
