@@ -73,8 +73,8 @@ class _Capture(BaseHTTPRequestHandler):
 
 
 def test_the_env_key_is_what_the_endpoint_receives(monkeypatch):
+    from opid_mega.rollout.launch import llm_analyzer
     from opid_mega.skills import TrajectoryView
-    from opid_mega.skills.llm_analyzer import LLMAnalyzer
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -83,10 +83,10 @@ def test_the_env_key_is_what_the_endpoint_receives(monkeypatch):
         cfg = load_config(None, ["analyzer.backend=llm", "analyzer.model=m", "analyzer.api_key_env=OPID_TEST_KEY"])
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         traj = TrajectoryView(task="t", won=True, steps=[("obs", "<action>go</action>", 1.0)], traj_id="a")
-        with LLMAnalyzer.from_config(cfg.analyzer, base_url=url) as an:
+        with llm_analyzer(cfg.analyzer, base_url=url) as an:
             assert an.analyze([traj])[0].episode_skill == "s"
         monkeypatch.delenv("OPID_TEST_KEY")
-        with LLMAnalyzer.from_config(cfg.analyzer, base_url=url) as an:  # no variable: the local-server default
+        with llm_analyzer(cfg.analyzer, base_url=url) as an:  # no variable: the local-server default
             an.analyze([TrajectoryView(task="u", won=True, steps=traj.steps, traj_id="b")])
     finally:
         srv.shutdown()

@@ -103,8 +103,6 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
         from opid_mega.plugins import build_analyzer as build_plugin
 
         return build_plugin(a), None
-    from opid_mega.skills.llm_analyzer import LLMAnalyzer
-
     if not a.base_url and a.model in BUILTIN_MODELS:  # e.g. smollm2-135m: the offline model, built once and cached
         from opid_mega.models import prepare_model
 
@@ -113,18 +111,9 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
     server = None if a.base_url else launch(cfg, run_dir)
     base_url = a.base_url or server.url + "/v1"
     try:
-        from opid_mega.config import resolve_api_key
-
         # a launched server's own key (Authorization: Bearer), else analyzer.api_key / $analyzer.api_key_env
-        key = (getattr(server, "api_key", None) if server is not None else None) or resolve_api_key(a)
-        from opid_mega.config import analyzer_response_format
-
-        analyzer = LLMAnalyzer(base_url, model=a.model, api_key=key, concurrency=a.concurrency,
-                               timeout_s=a.timeout_s, stall_timeout_s=a.stall_timeout_s, max_retries=a.max_retries,
-                               backoff_s=a.backoff_s, backoff_max_s=a.backoff_max_s, temperature=a.temperature,
-                               max_tokens=a.max_tokens, response_format=analyzer_response_format(a),
-                               parser=a.parser, max_step_skills=a.max_step_skills, gamma=a.gamma,
-                               cache_path=a.cache_path or run_dir / "analysis_cache.jsonl", audit=audit)
+        analyzer = llm_analyzer(a, base_url, cache_path=a.cache_path or run_dir / "analysis_cache.jsonl", audit=audit,
+                                api_key=getattr(server, "api_key", None) if server is not None else None)
         try:
             # one short request before the first rollout: a bad key / URL / model is one line now (exit 2), not a
             # run whose every analysis fails (LLMAnalyzer.probe raises AnalyzerUnavailable)
@@ -140,6 +129,24 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
         if server is not None:
             server.shutdown()
         raise
+
+
+def llm_analyzer(a, base_url: Optional[str] = None, cache_path=None, audit=None, api_key: Optional[str] = None,
+                 sglang: Optional[bool] = None):
+    """An LLMAnalyzer from analyzer.* (`a`, an AnalyzerConfig) at `base_url` (default analyzer.base_url); `api_key`
+    overrides the resolved analyzer.api_key / $analyzer.api_key_env (e.g. a launched server's own key)."""
+    from opid_mega.config import analyzer_response_format, resolve_api_key
+    from opid_mega.skills.llm_analyzer import LLMAnalyzer
+
+    url = base_url or a.base_url
+    if not url:
+        raise ValueError("analyzer.base_url is empty: launch an OpenAI-compatible server first and pass its URL")
+    return LLMAnalyzer(url, model=a.model, api_key=api_key or resolve_api_key(a), concurrency=a.concurrency,
+                       timeout_s=a.timeout_s, stall_timeout_s=a.stall_timeout_s, max_retries=a.max_retries,
+                       backoff_s=a.backoff_s, backoff_max_s=a.backoff_max_s, temperature=a.temperature,
+                       max_tokens=a.max_tokens, response_format=analyzer_response_format(a), parser=a.parser,
+                       max_step_skills=a.max_step_skills, gamma=a.gamma, cache_path=cache_path, audit=audit,
+                       sglang=sglang)
 
 
 def server_args(cfg: Config, extra: list, gpus: list, mem_fraction: float) -> tuple[list, Optional[dict]]:

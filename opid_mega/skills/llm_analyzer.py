@@ -259,24 +259,6 @@ class LLMAnalyzer(Analyzer):
             self._cache_path.parent.mkdir(parents=True, exist_ok=True)
             self._cache_file = open(self._cache_path, "a", encoding="utf-8")
 
-    @classmethod
-    def from_config(cls, acfg: Any, base_url: Optional[str] = None, cache_path: Optional[str | Path] = None,
-                    audit: Optional[AuditLog] = None, api_key: Optional[str] = None,
-                    sglang: Optional[bool] = None) -> "LLMAnalyzer":
-        """From `opid_mega.config.AnalyzerConfig`; `base_url` overrides `acfg.base_url` (e.g. a launched server),
-        `api_key` the resolved analyzer.api_key / $analyzer.api_key_env (e.g. a launched server's own key)."""
-        url = base_url or acfg.base_url
-        if not url:
-            raise ValueError("analyzer.base_url is empty: launch an OpenAI-compatible server first and pass its URL")
-        from opid_mega.config import analyzer_response_format, resolve_api_key
-
-        return cls(url, acfg.model, api_key=api_key or resolve_api_key(acfg), concurrency=acfg.concurrency,
-                   timeout_s=acfg.timeout_s, stall_timeout_s=acfg.stall_timeout_s, max_retries=acfg.max_retries,
-                   backoff_s=acfg.backoff_s, backoff_max_s=acfg.backoff_max_s, temperature=acfg.temperature,
-                   max_tokens=acfg.max_tokens, response_format=analyzer_response_format(acfg), parser=acfg.parser,
-                   max_step_skills=acfg.max_step_skills, gamma=acfg.gamma, cache=True, cache_path=cache_path,
-                   audit=audit, sglang=sglang)
-
     # ------------------------------------------------------------------------------------------------------------
     # Public API
     # ------------------------------------------------------------------------------------------------------------

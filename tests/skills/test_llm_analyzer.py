@@ -547,13 +547,14 @@ def test_url_forms_and_bad_arguments():
 
 def test_from_config():
     from opid_mega.config import load_config
+    from opid_mega.rollout.launch import llm_analyzer
 
     cfg = load_config(None, ["analyzer.backend=llm", "analyzer.model=served", "analyzer.max_step_skills=2",
                              "analyzer.concurrency=3", "analyzer.temperature=0.5", "analyzer.parser=ours",
                              "analyzer.response_format=json_object", "analyzer.stall_timeout_s=7"])
     with pytest.raises(ValueError, match="base_url"):
-        LLMAnalyzer.from_config(cfg.analyzer)
-    with serve(_sse()) as srv, LLMAnalyzer.from_config(cfg.analyzer, base_url=srv.url) as an:
+        llm_analyzer(cfg.analyzer)
+    with serve(_sse()) as srv, llm_analyzer(cfg.analyzer, base_url=srv.url) as an:
         out = an.analyze([_traj(0)])
         assert out[0].step_skills == GOOD_STEPS
         assert (an.concurrency, an.parser, an.stall_timeout_s, an.max_retries) == (3, "ours", 7.0, 4)
@@ -562,8 +563,8 @@ def test_from_config():
         assert body["response_format"] == {"type": "json_object"}
         assert "at most 2 critical steps" in srv.prompts()[0]
     old = load_config(None, ["analyzer.model=m", "analyzer.json_mode=true"])  # the deprecated alias
-    with LLMAnalyzer.from_config(old.analyzer, base_url="http://h:1") as an:
+    with llm_analyzer(old.analyzer, base_url="http://h:1") as an:
         assert an.response_format == "json_object"
     default = load_config(None, ["analyzer.model=m"])
-    with LLMAnalyzer.from_config(default.analyzer, base_url="http://h:1") as an:
+    with llm_analyzer(default.analyzer, base_url="http://h:1") as an:
         assert an.response_format is None and an.temperature is None and an.parser == "reference"
