@@ -234,6 +234,11 @@ class AlgoConfig:
     # negative control: every trajectory of task i gets the analysis of a trajectory of another task of the same batch
     # (the batch's tasks in a seeded random cycle), so the skills are fluent but carry no hindsight about this episode.
     skill_source: Literal["own", "shuffled"] = "own"
+    # The advantage and policy-loss functions, as import paths "package.module:function" (docs/custom_algo.md):
+    # advantage_fn(exp, algo_cfg) fills exp.a_out and exp.token_advantages of the iteration's record; loss_fn is
+    # called like opid_mega.algo.ppo_policy_loss by the Megatron loss on every rank. The defaults are the built-ins.
+    advantage_fn: str = "opid_mega.experience:advantages"
+    loss_fn: str = "opid_mega.algo.loss:ppo_policy_loss"
 
     # The mode decides routing and which skill types carry signal (docs/algorithm.md §4 "Critical-first routing"); routing is
     # also gated by λ as in the reference: lambda_step=0 routes like mode=no_step_skill, lambda_episode=0 like
@@ -733,12 +738,18 @@ def validate(cfg: Config, plugins: bool = True) -> Config:
 
 def _check_plugins(cfg: Config) -> None:
     """env.name / env.options and analyzer.backend / analyzer.options: import paths imported and checked, options
-    checked against the constructors (opid_mega.plugins), before anything is built."""
+    checked against the constructors; algo.advantage_fn / algo.loss_fn imported and their signatures checked
+    (opid_mega.plugins), before anything is built. The built-in functions (the defaults) are not imported here: they
+    are part of the package, and importing them would import torch (~1 s) into every config load."""
     from opid_mega.envs import check_env_config
-    from opid_mega.plugins import PluginError, check_analyzer, is_import_path
+    from opid_mega.plugins import PluginError, advantage_function, check_analyzer, is_import_path, loss_function
 
     a = cfg.analyzer
     try:
+        if cfg.algo.advantage_fn != AlgoConfig.advantage_fn:
+            advantage_function(cfg.algo.advantage_fn)
+        if cfg.algo.loss_fn != AlgoConfig.loss_fn:
+            loss_function(cfg.algo.loss_fn)
         check_env_config(cfg.env)
         if is_import_path(a.backend):
             check_analyzer(a.backend, a.options)

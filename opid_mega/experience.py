@@ -5,6 +5,7 @@
     add_skills(exp, analyses, ...)                                     experience: routing, sections, audit (once)
     score(exp, scorer, ...)                                            score: old and skill-context log-probs
     advantages(exp, algo_cfg)                                          advantages: A_out per sample, A per token
+                                                                       (or algo.advantage_fn; check_advantages)
     exp.train_data(...)                                                train: the policy's view of the same columns
     metrics(exp, ...)                                                  metrics: a function of the record
 
@@ -271,9 +272,18 @@ def advantages(exp: Experience, a, backend: Optional[str] = None) -> None:
     whenever every Δ is 0."""
     from opid_mega import batching
 
-    old = exp.old_logprobs
     scores = np.asarray(exp.scores, np.float64) - a.invalid_penalty * np.asarray(exp.invalid, bool)
     exp.a_out = batching.outcome_advantage(scores, np.asarray(exp.groups, np.int64), a.outcome_mode, backend=backend)
+    exp.token_advantages = with_skill_term(exp, a, exp.a_out, backend=backend)
+
+
+def with_skill_term(exp: Experience, a, a_out: np.ndarray, backend: Optional[str] = None) -> np.ndarray:
+    """float32 [Σ resp_lens]: A = a_out + Σ_k λ_k Δ_k per response token, the skill term exactly as `advantages`
+    adds it (a.mode, λ, algo.delta, delta_normalize, delta_clip) to any outcome advantage `a_out` (float64 [S]):
+    what a custom algo.advantage_fn that changes only the outcome part calls (docs/custom_algo.md)."""
+    from opid_mega import batching
+
+    old = exp.old_logprobs
     deltas, masks, lambdas = [], [], []
     if a.mode not in ("grpo", "skill_grpo"):
         lam = {algo.EPISODE: a.lambda_episode if a.use_episode else 0.0,
@@ -285,8 +295,27 @@ def advantages(exp: Experience, a, backend: Optional[str] = None) -> None:
                 d = d + exp.divergence[kind].astype(np.float64)
             deltas.append(d)
             lambdas.append(lam[kind])
-    exp.token_advantages = batching.token_advantages(exp.a_out, exp.resp_lens, deltas, masks, lambdas,
-                                                     normalize=a.delta_normalize, clip=a.delta_clip, backend=backend)
+    return batching.token_advantages(a_out, exp.resp_lens, deltas, masks, lambdas, normalize=a.delta_normalize,
+                                     clip=a.delta_clip, backend=backend)
+
+
+def check_advantages(exp: Experience, name: str) -> None:
+    """What an advantage function (`name`: algo.advantage_fn) filled: exp.a_out float64 [S] and
+    exp.token_advantages float32 [Σ resp_lens], every value finite; else a ValueError naming the function."""
+    expected = (("a_out", np.float64, exp.num_samples, "one per step-sample"),
+                ("token_advantages", np.float32, int(exp.resp_lens.sum()), "one per response token"))
+    for column, dtype, n, what in expected:
+        v = getattr(exp, column)
+        want = f"a numpy {np.dtype(dtype).name} array of {n} values ({what})"
+        if not isinstance(v, np.ndarray):
+            raise ValueError(f"algo.advantage_fn={name}: exp.{column} is {type(v).__name__}, expected {want}")
+        if v.dtype != dtype or v.shape != (n,):
+            raise ValueError(f"algo.advantage_fn={name}: exp.{column} is {v.dtype} of shape {v.shape}, expected "
+                             f"{want}")
+        bad = np.flatnonzero(~np.isfinite(v))
+        if bad.size:
+            raise ValueError(f"algo.advantage_fn={name}: exp.{column}[{int(bad[0])}] is {v[bad[0]]} "
+                             f"({bad.size} non-finite values), expected finite values")
 
 
 # ---- the metrics stage ------------------------------------------------------------------------------------------

@@ -14,12 +14,15 @@ An import path is `module:attribute` (the attribute may be dotted: `mod:Outer.In
 
 opid_mega.config checks both keys when a config is loaded (so opid-train exits 2 with that line before anything is
 built); opid_mega.envs.make_env and opid_mega.rollout.launch.build_analyzer build the classes (docs/custom_env.md).
+
+Functions by import path, the same way: `algo.advantage_fn` and `algo.loss_fn` (`advantage_function`,
+`loss_function`: importable, callable, and their signatures accept the documented call; docs/custom_algo.md).
 """
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 
 class PluginError(ValueError):
@@ -36,14 +39,14 @@ def _one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def load_class(spec: str, key: str, base: type, base_name: str) -> type:
-    """The class `spec` ("package.module:Class") names, checked to be a subclass of `base` (`base_name` is how the
-    messages name it). Raises PluginError (one line starting with `key`)."""
+def _import(spec: str, key: str, expected: str):
+    """The object `spec` ("package.module:attr") names; `expected` is how the message shows a valid path
+    ('package.module:Class'). Raises PluginError (one line starting with `key`)."""
     module_name, _, attr = spec.partition(":")
     parts = attr.split(".") if attr else []
     if not module_name or not parts or not all(p.isidentifier() for p in parts) or not all(
             p.isidentifier() for p in module_name.split(".")):
-        raise PluginError(f"{key}: {spec!r} is not an import path; expected 'package.module:Class'")
+        raise PluginError(f"{key}: {spec!r} is not an import path; expected {expected!r}")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
@@ -55,6 +58,13 @@ def load_class(spec: str, key: str, base: type, base_name: str) -> type:
         if not hasattr(obj, p):
             raise PluginError(f"{key}: cannot import {spec!r}: module {where!r} has no attribute {p!r}")
         obj, where = getattr(obj, p), f"{where}.{p}"
+    return obj
+
+
+def load_class(spec: str, key: str, base: type, base_name: str) -> type:
+    """The class `spec` ("package.module:Class") names, checked to be a subclass of `base` (`base_name` is how the
+    messages name it). Raises PluginError (one line starting with `key`)."""
+    obj = _import(spec, key, "package.module:Class")
     if not inspect.isclass(obj):
         raise PluginError(f"{key}: {spec!r} is a {type(obj).__name__}, not a class (expected a subclass of "
                           f"{base_name})")
@@ -162,3 +172,41 @@ def build_analyzer(analyzer_cfg):
     """The plug-in analyzer of a config's `analyzer` section: Class(**analyzer.options) (see analyzer_kwargs)."""
     cls = analyzer_class(analyzer_cfg.backend)
     return cls(**analyzer_kwargs(cls, analyzer_cfg.options, analyzer_cfg.max_step_skills))
+
+
+# ---- algorithm functions: algo.advantage_fn, algo.loss_fn ----------------------------------------------------------
+# How each is called (docs/custom_algo.md): positional argument names, then keyword argument names.
+ADVANTAGE_FN_CALL = (("exp", "algo_cfg"), ())
+LOSS_FN_CALL = (("logp", "old_logp", "advantages", "mask"),
+                ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "normalizer"))
+
+
+def load_function(spec: str, key: str, call: tuple) -> Callable:
+    """The function `spec` ("package.module:function") names, checked to be callable (not a class) with a signature
+    that accepts `call` ((positional names, keyword names): the arguments it will get). Raises PluginError (one line
+    starting with `key`)."""
+    fn = _import(spec, key, "package.module:function")
+    if inspect.isclass(fn) or not callable(fn):
+        what = "class" if inspect.isclass(fn) else type(fn).__name__
+        raise PluginError(f"{key}: {spec!r} is a {what}, not a function")
+    positional, keywords = call
+    shown = "fn(" + ", ".join(list(positional) + [f"{k}=" for k in keywords]) + ")"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a C-implemented callable without a signature: no check possible
+        return fn
+    try:
+        sig.bind(*positional, **{k: None for k in keywords})
+    except TypeError as e:
+        raise PluginError(f"{key}: {spec!r} cannot be called as {shown}: {_one_line(e)}") from None
+    return fn
+
+
+def advantage_function(spec: str) -> Callable:
+    """The function `algo.advantage_fn` names: fn(exp, algo_cfg) fills exp.a_out and exp.token_advantages."""
+    return load_function(spec, "algo.advantage_fn", ADVANTAGE_FN_CALL)
+
+
+def loss_function(spec: str) -> Callable:
+    """The function `algo.loss_fn` names, called like opid_mega.algo.ppo_policy_loss (LOSS_FN_CALL)."""
+    return load_function(spec, "algo.loss_fn", LOSS_FN_CALL)

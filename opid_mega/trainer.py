@@ -42,6 +42,7 @@ from opid_mega.analysis import AnalysisStage
 from opid_mega.config import Config
 from opid_mega.experience import Experience, mean, outcome_info_means, skill_section_cap
 from opid_mega.metrics import Timer
+from opid_mega.plugins import advantage_function
 from opid_mega.rollout.launch import RolloutEngineDied, audit_rollout_skills, build_agent_loop, env_factory, play
 from opid_mega.skills.injection import render_skill_section
 
@@ -205,6 +206,7 @@ class Trainer:
         self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature,
                                  divergence_topk=divergence_topk(cfg.algo)) \
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
+        self.advantage_fn = advantage_function(cfg.algo.advantage_fn)  # the advantages stage (every rank)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.current = 0  # the iteration in progress (0: none yet)
         if resume:  # the checkpoint's trainer state (loaded above)
@@ -301,7 +303,8 @@ class Trainer:
         with timer("scoring"):
             self.add_skills(exp, analyses)
             experience.score(exp, self.scorer, cfg.algo.delta)
-        experience.advantages(exp, cfg.algo)
+        self.advantage_fn(exp, cfg.algo)  # algo.advantage_fn, default experience.advantages
+        experience.check_advantages(exp, cfg.algo.advantage_fn)
         if cfg.logging.dump_advantages and self.rank0:
             with open(self.run_dir / "advantages.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in experience.advantage_records(exp))

@@ -26,6 +26,7 @@ class Policy:
         from opid_mega.megatron.model import build_model, recompute_config, transformer_config
         from opid_mega.megatron.train_step import LossConfig, ReferenceWeights, build_optimizer, wrap_ddp
         from opid_mega.models import torch_dtype
+        from opid_mega.plugins import loss_function
 
         from opid_mega.megatron.layout import check_layout, model_facts
 
@@ -58,7 +59,8 @@ class Policy:
                                    entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
                                    log_ratio_clamp=a.log_ratio_clamp,
                                    temperature=cfg.rollout.temperature,  # new log-probs at the sampling T
-                                   distill_coef=a.distill_coef)
+                                   distill_coef=a.distill_coef,
+                                   loss_fn=loss_function(a.loss_fn))  # algo.loss_fn, imported on every rank
 
     @staticmethod
     def dp_map(fn, items: list) -> list:

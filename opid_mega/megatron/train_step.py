@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,10 @@ class LossConfig:
     # algo.distill_coef: c · KL(p_o ‖ p_s) on the paired (skill-routed) tokens of micro-batches with row pairs,
     # weighted and counted like the PPO loss's tokens, back-propagated through the original context only
     distill_coef: float = 0.0
+    # The policy loss (algo.loss_fn, resolved by opid_mega.plugins.loss_function): called like ppo_policy_loss, as
+    # loss_fn(logp, old_logp, advantages, weights, clip_low=, clip_high=, dual_clip=, log_ratio_clamp=,
+    # normalizer=1.0) -> (Σ weights · per-token loss, metrics); docs/custom_algo.md
+    loss_fn: Callable = ppo_policy_loss
 
 
 def token_weights(batch: PackedBatch, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +100,9 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
     Returns (loss_sum, count, metrics) where metrics are detached [sum, count] pairs; `cfg.loss_agg` sets the
     per-token weights and the count (see :func:`token_weights`; clip fractions are then weighted alike). With
     ``cfg.distill_coef`` > 0 the loss adds ``opid_mega.algo.distill_loss`` of the pairs, each weighted by its
-    original token's weight (summed here; megatron divides by the same count)."""
+    original token's weight (summed here; megatron divides by the same count). The policy-gradient term is
+    ``cfg.loss_fn`` (algo.loss_fn; default ``opid_mega.algo.ppo_policy_loss``) of the per-token weights with
+    normalizer 1, i.e. their weighted sum; of its metrics, clipfrac, clipfrac_dual and approx_kl are reported."""
     output, div = split_output(output)
     ex = batch.extras
     for k in ("old_logprobs", "advantages", "loss_mask"):
@@ -106,9 +112,13 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
     w, ntok = token_weights(batch, mask, cfg.loss_agg)
     # the clip-fraction metrics' weight: the count, or (given weights, whose count sits on one micro-batch) Σ weights
     mw = w.sum().detach() if "loss_weight" in ex or "loss_count" in ex else ntok
-    pg_sum, m = ppo_policy_loss(logp, ex["old_logprobs"], ex["advantages"], w, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, normalizer=1.0,
-                                log_ratio_clamp=cfg.log_ratio_clamp)
+    out = cfg.loss_fn(logp, ex["old_logprobs"], ex["advantages"], w, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                      dual_clip=cfg.dual_clip, log_ratio_clamp=cfg.log_ratio_clamp, normalizer=1.0)
+    if not (isinstance(out, tuple) and len(out) == 2 and torch.is_tensor(out[0]) and out[0].dim() == 0
+            and isinstance(out[1], dict)):
+        raise ValueError(f"ppo_loss_func: the policy loss {cfg.loss_fn.__module__}:{cfg.loss_fn.__qualname__} "
+                         f"returned {type(out).__name__}, expected (a scalar tensor, a dict of metrics)")
+    pg_sum, m = out
     loss = pg_sum
     metrics = {"pg_loss": torch.stack([pg_sum.detach().clone(), ntok])}
     if cfg.kl_coef > 0:
@@ -129,7 +139,8 @@ def ppo_loss_func(batch: PackedBatch, output: torch.Tensor, cfg: LossConfig = Lo
         loss = loss + d_sum
         metrics["distill_kl"] = torch.stack([dm["distill_kl"] * w_pair.sum(), w_pair.sum()])
     for k in ("clipfrac", "clipfrac_dual", "approx_kl"):
-        metrics[k] = torch.stack([m[k].detach() * mw, mw])
+        if k in m:  # (a custom policy loss may report none of them)
+            metrics[k] = torch.stack([m[k].detach() * mw, mw])
     metrics["loss"] = torch.stack([loss.detach().clone(), ntok])
     return loss, ntok.to(torch.int), metrics
 
