@@ -742,7 +742,8 @@ def _check_plugins(cfg: Config) -> None:
     (opid_mega.plugins), before anything is built. The built-in functions (the defaults) are not imported here: they
     are part of the package, and importing them would import torch (~1 s) into every config load."""
     from opid_mega.envs import check_env_config
-    from opid_mega.plugins import PluginError, advantage_function, check_analyzer, is_import_path, loss_function
+    from opid_mega.plugins import PluginError, advantage_function, is_import_path, loss_function
+    from opid_mega.skills.plugins import check_analyzer
 
     a = cfg.analyzer
     try:

@@ -14,6 +14,7 @@ An import path is `module:attribute` (the attribute may be dotted: `mod:Outer.In
 
 opid_mega.config checks both keys when a config is loaded (so opid-train exits 2 with that line before anything is
 built); opid_mega.envs.make_env and opid_mega.rollout.launch.build_analyzer build the classes (docs/custom_env.md).
+The analyzer-specific part is opid_mega.skills.plugins; this module imports nothing else of opid_mega.
 
 Functions by import path, the same way: `algo.advantage_fn` and `algo.loss_fn` (`advantage_function`,
 `loss_function`: importable, callable, and their signatures accept the documented call; docs/custom_algo.md).
@@ -140,38 +141,6 @@ def check_options(cls: type, options: dict, key: str, reserved: Optional[dict] =
     missing = sorted(required - set(options) - set(reserved) - set(provided))
     if missing:
         raise PluginError(f"{key}: {label} needs option{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
-
-
-# ---- analyzers ---------------------------------------------------------------------------------------------------
-ANALYZER_BASE = "opid_mega.skills.Analyzer"
-
-
-def analyzer_class(spec: str) -> type:
-    """The analyzer class `analyzer.backend` names (a subclass of opid_mega.skills.Analyzer)."""
-    from opid_mega.skills.base import Analyzer
-
-    return load_class(spec, "analyzer.backend", Analyzer, ANALYZER_BASE)
-
-
-def analyzer_kwargs(cls: type, options: dict, max_step_skills: int) -> dict:
-    """The constructor's keyword arguments: `analyzer.options`, plus max_step_skills (analyzer.max_step_skills)
-    when the constructor has a parameter of that name and the options do not set it."""
-    kwargs = dict(options)
-    spec = constructor_options(cls)
-    if "max_step_skills" not in kwargs and spec is not None and "max_step_skills" in spec[0]:
-        kwargs["max_step_skills"] = max_step_skills
-    return kwargs
-
-
-def check_analyzer(backend: str, options: dict) -> None:
-    """Config-load check of a plug-in analyzer: importable, an Analyzer subclass, options its constructor takes."""
-    check_options(analyzer_class(backend), options, "analyzer.options", provided=("max_step_skills",), label=backend)
-
-
-def build_analyzer(analyzer_cfg):
-    """The plug-in analyzer of a config's `analyzer` section: Class(**analyzer.options) (see analyzer_kwargs)."""
-    cls = analyzer_class(analyzer_cfg.backend)
-    return cls(**analyzer_kwargs(cls, analyzer_cfg.options, analyzer_cfg.max_step_skills))
 
 
 # ---- algorithm functions: algo.advantage_fn, algo.loss_fn ----------------------------------------------------------

@@ -85,7 +85,8 @@ def section_analyzer(cfg: Config):
     """The analyzer that writes the warm start's sections: a plug-in analyzer.backend ("package.module:Class", e.g.
     the footprints hindsight analyzer) when the config names one, else the RuleAnalyzer (K = analyzer.max_step_skills;
     an LLM analyzer is never called for the warm start)."""
-    from opid_mega.plugins import build_analyzer, is_import_path
+    from opid_mega.plugins import is_import_path
+    from opid_mega.skills.plugins import build_analyzer
     from opid_mega.skills import RuleAnalyzer
 
     if is_import_path(cfg.analyzer.backend):

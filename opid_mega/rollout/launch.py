@@ -89,7 +89,7 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
     """(analyzer or None, the analyzer server this run launched or None). backend=llm with an empty
     analyzer.base_url launches `launch(cfg, run_dir)` (a server with .url and .shutdown()); else it attaches.
     An import path "package.module:Class" builds that opid_mega.skills.Analyzer subclass with analyzer.options
-    (opid_mega.plugins.build_analyzer; the protocol: docs/custom_env.md)."""
+    (opid_mega.skills.plugins.build_analyzer; the protocol: docs/custom_env.md)."""
     if not cfg.algo.needs_analysis:
         return None, None
     a = cfg.analyzer
@@ -100,7 +100,7 @@ def build_analyzer(cfg: Config, audit, run_dir: Path, launch=launch_analyzer_ser
     from opid_mega.plugins import is_import_path
 
     if is_import_path(a.backend):
-        from opid_mega.plugins import build_analyzer as build_plugin
+        from opid_mega.skills.plugins import build_analyzer as build_plugin
 
         return build_plugin(a), None
     if not a.base_url and a.model in BUILTIN_MODELS:  # e.g. smollm2-135m: the offline model, built once and cached

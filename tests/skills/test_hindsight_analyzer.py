@@ -157,7 +157,7 @@ def test_no_step_skill_names_a_wrong_door_as_the_thing_to_do(env):
 
 
 def test_plugin_loading_and_options():
-    from opid_mega.plugins import analyzer_class, build_analyzer, check_analyzer
+    from opid_mega.skills.plugins import analyzer_class, build_analyzer, check_analyzer
 
     assert analyzer_class(BACKEND) is FootprintsHindsightAnalyzer
     check_analyzer(BACKEND, {"max_step_skills": 2})
