@@ -43,7 +43,7 @@ import torch
 
 from opid_mega import algo
 from opid_mega.scoring.scorer import ScoreRequest
-from opid_mega.skills.injection import inject_skills, render_skill_section
+from opid_mega.skills.injection import anchor, inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
 
@@ -199,8 +199,7 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     for s, (step, route) in enumerate(zip(exp.steps, routes)):
         n = 0
         for kind, skill in route.items():
-            at = step.episode_insert_at if kind == algo.EPISODE and algo_cfg.placement != "late" \
-                else step.step_insert_at
+            at = (step.episode_insert_at, step.step_insert_at)[anchor(kind, algo_cfg.placement)]
             skill, ids = fit_section(skill, kind)
             if not ids:
                 continue

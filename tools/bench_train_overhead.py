@@ -5,7 +5,7 @@ tokens, responses 50-300, half of the step-samples with a skill context; configs
 of 256 step-samples, micro-batches of 8192 tokens), on data-parallel rank 0 of `--dp` ranks:
   before  (the trainer up to commit 8d364b7) advantages in torch over padded [S, R] tensors, one `Sample` per
           step-sample with its values as Python lists, and per mini-batch the strided DP share packed by
-          `plan_micro_batches` + `pack` (per-token Python lists)
+          `greedy_micro_batches` + `pack` (per-token Python lists)
   after   `compute_advantages` (the batch builder's outcome/token advantages on flat arrays), one `TrainData`, and
           per mini-batch `TrainData.subset(...).micro_batches(...)` (the C++ builder: token-budget packing balanced
           over DP ranks)
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from opid_mega import algo  # noqa: E402
 from opid_mega.config import load_config  # noqa: E402
-from opid_mega.megatron.logprobs import Sample, empty_batch, pack, plan_micro_batches  # noqa: E402
+from opid_mega.megatron.logprobs import Sample, empty_batch, pack, greedy_micro_batches  # noqa: E402
 from opid_mega.megatron.train_batches import TrainData  # noqa: E402
 from opid_mega.scoring.scorer import ScoreResult  # noqa: E402
 from opid_mega.experience import compute_advantages  # noqa: E402
@@ -100,7 +100,7 @@ def before(cfg, it, dp):
     out = []
     for start in range(0, len(order), cfg.train.mini_batch_size):
         part = [samples[i] for i in order[start:start + cfg.train.mini_batch_size]][0::dp]  # rank 0's share
-        plan = plan_micro_batches([len(s.tokens) for s in part], cfg.train.micro_batch_tokens)
+        plan = greedy_micro_batches([len(s.tokens) for s in part], cfg.train.micro_batch_tokens)
         out.append([pack([part[i] for i in mb]) for mb in plan] or [empty_batch()])
     return out
 

@@ -139,7 +139,7 @@ def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
     return PackedBatch(ids, pos, cu, b.score_rows, b.score_targets, b.scored_per_seq, br, b.extras, b.pairs)
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def greedy_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Greedy, order-preserving packing of sequences into micro-batches of at most ``max_tokens`` tokens
     (a longer sequence gets a micro-batch of its own)."""
     if max_tokens < 1:
@@ -227,7 +227,7 @@ def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, 
     for c in chunks:
         c.eval()
     if batches is None:
-        plan = plan_micro_batches([len(s.tokens) for s in samples], max_tokens)
+        plan = greedy_micro_batches([len(s.tokens) for s in samples], max_tokens)
         batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]
     with_pairs = {b.pairs is not None for b in batches}
     if len(with_pairs) > 1:

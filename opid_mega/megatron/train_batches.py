@@ -10,7 +10,7 @@ micro-batches on every rank). :meth:`TrainData.micro_batches` returns this rank'
 scatter through the builder's ``ctx_gather_start``.
 
 A sequence longer than the budget gets a micro-batch of its own (the budget is raised to the longest sequence, as
-the greedy planner of ``opid_mega.megatron.logprobs.plan_micro_batches`` does).
+the greedy planner of ``opid_mega.megatron.logprobs.greedy_micro_batches`` does).
 
 Distillation (``algo.distill_coef`` > 0): samples may carry skill contexts (the same response after a skill-augmented
 prompt). The micro-batches are then built in the fork layout (``opid_mega.batching.build_fork_batches``: a sample's

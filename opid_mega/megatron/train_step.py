@@ -26,7 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss, reference_micro_weights
 from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, empty_batch, forward_step, pack,
-                                        plan_micro_batches, run_schedule, split_output)
+                                        greedy_micro_batches, run_schedule, split_output)
 
 
 @dataclass
@@ -238,7 +238,7 @@ def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tok
         c.zero_grad_buffer()
     optimizer.zero_grad()
     if batches is None:
-        plan = plan_micro_batches([len(s.tokens) for s in samples], micro_tokens)
+        plan = greedy_micro_batches([len(s.tokens) for s in samples], micro_tokens)
         batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]  # a DP rank with no samples
     step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg),
                    temperature=cfg.temperature)
@@ -251,7 +251,7 @@ def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tok
 
 def mini_batches(samples: Sequence[Sample], mini_batch_tokens: int) -> list[list[Sample]]:
     """Split a rollout batch into mini-batches (one optimizer step each) of about ``mini_batch_tokens`` tokens."""
-    return [[samples[i] for i in mb] for mb in plan_micro_batches([len(s.tokens) for s in samples],
+    return [[samples[i] for i in mb] for mb in greedy_micro_batches([len(s.tokens) for s in samples],
                                                                    mini_batch_tokens)]
 
 

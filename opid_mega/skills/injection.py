@@ -92,14 +92,20 @@ def split_prompt(prompt: str) -> tuple[str, str, str]:
     return prompt[:a], prompt[a:b], prompt[b:]
 
 
-def insertion_point(prompt: str, kind: str, placement: str = "faithful") -> int:
-    """Character offset where a skill section of `kind` goes."""
+def anchor(kind: str, placement: str = "faithful") -> int:
+    """Which of a prompt's two insertion points a skill section of `kind` goes to: 0, the episode point (after the
+    task line), for an episode skill placed faithfully; 1, the step point (before "Now it's your turn"), otherwise.
+    The one rule for prompt text (insertion_point) and prompt tokens (the rollout's episode/step insert_at)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"insertion_point: placement={placement!r}, allowed: {', '.join(PLACEMENTS)}")
     if kind not in SECTION_TITLES:
         raise ValueError(f"insertion_point: kind={kind!r}, allowed: {', '.join(SECTION_TITLES)}")
-    ep, st = insertion_points(prompt)
-    return ep if kind == EPISODE and placement == "faithful" else st
+    return 0 if kind == EPISODE and placement == "faithful" else 1
+
+
+def insertion_point(prompt: str, kind: str, placement: str = "faithful") -> int:
+    """Character offset where a skill section of `kind` goes."""
+    return insertion_points(prompt)[anchor(kind, placement)]
 
 
 def inject_skills(prompt: str, skills: Mapping[str, Optional[str]], placement: str = "faithful") -> str:

@@ -30,12 +30,12 @@ def _megatron(hf_dir, tp=1, pp=1):
 
 
 # ---------------------------------------------------------------- pure helpers (no process group needed)
-def test_plan_micro_batches_respects_budget_and_order():
-    from opid_mega.megatron.logprobs import plan_micro_batches
+def test_greedy_micro_batches_respect_budget_and_order():
+    from opid_mega.megatron.logprobs import greedy_micro_batches
 
-    assert plan_micro_batches([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+    assert greedy_micro_batches([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
     with pytest.raises(ValueError, match="max_tokens"):
-        plan_micro_batches([1], 0)
+        greedy_micro_batches([1], 0)
 
 
 def test_pack_rows_targets_positions_and_padding():
