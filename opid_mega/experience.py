@@ -138,10 +138,6 @@ class Experience:
         ti = int(self.traj_index[s])
         return f"{self.iteration}/{self.trajectories[ti].task_id}/{ti}/s{int(self.step_index[s])}"
 
-    def sequences(self) -> list:
-        """(token list, prompt length) per sample: the reference model's input."""
-        return [(self.sequence(s).tolist(), int(self.prompt_lens[s])) for s in range(self.num_samples)]
-
     def contexts(self, s: int) -> dict:
         """{kind: (insert_at, section token list)} of sample s's skill contexts."""
         out = {}
@@ -239,6 +235,14 @@ def divergence_term(r, kind: str, delta: str) -> torch.Tensor:
         raise ValueError(f"algo.delta={delta}: the scorer returned no divergence for skill type {kind!r} "
                          "(scoring.scorer must be fork)")
     return algo.delta_baseline({k: v.double() for k, v in r.divergence[kind].items() if k != "topk_ids"}, delta)
+
+
+def reference(exp: Experience, scorer) -> None:
+    """reference: ref_logprobs, the original contexts scored by `scorer` (one packer for every context; the caller
+    holds the reference weights in the model)."""
+    requests = [ScoreRequest(exp.prompt(s).tolist(), exp.response(s).tolist()) for s in range(exp.num_samples)]
+    exp.ref_logprobs = torch.from_numpy(_flat([r.orig for r in scorer.score(requests)], exp.resp_lens,
+                                              "the reference log-probs"))
 
 
 def fill_scores(exp: Experience, results: list, delta: str = "sampled") -> None:

@@ -296,8 +296,9 @@ class Trainer:
         views = [t.to_view(f"{it}/{t.task_id}/{ti}") for ti, t in enumerate(exp.trajectories)]
         pending = self.analysis.submit(views, it)
         with timer("reference"):
-            if self.policy.reference:
-                exp.ref_logprobs = torch.cat(self.policy.reference_logprobs(exp.sequences()))
+            if self.policy.reference:  # the original contexts, packed and scored like the old log-probs
+                with self.policy.reference_weights():
+                    experience.reference(exp, self.scorer)
         with timer("analysis_wait"):
             analyses = broadcast(lambda: self.analysis.collect(pending, views, it))
         with timer("scoring"):

@@ -120,9 +120,9 @@ class Policy:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def reference_logprobs(self, seqs: list) -> list:
-        with self.reference.swapped_in(self.chunks):
-            return self.logprobs(seqs)
+    def reference_weights(self):
+        """A context in which the model holds the frozen reference weights (the training weights come back after)."""
+        return self.reference.swapped_in(self.chunks)
 
     def train(self, data, seed: int) -> dict:
         """train.ppo_epochs epochs over the step-samples of ``data`` (`TrainData`) in mini-batches of

@@ -61,7 +61,8 @@ def test_from_rollout_keeps_finished_trajectories_as_columns():
     assert exp.policy_version.tolist() == [2] * len(steps)
     assert [exp.sample_id(i) for i in range(exp.num_samples)] == \
         [f"3/{t.task_id}/{ti}/s{si}" for ti, t in enumerate(kept) for si in range(len(t.steps))]
-    assert exp.sequences() == [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in steps]
+    assert [(exp.prompt(i).tolist(), exp.response(i).tolist()) for i in range(exp.num_samples)] == \
+        [(s.prompt_ids, s.response_ids) for s in steps]
 
 
 @pytest.mark.parametrize("mode,placement", [("opid", "faithful"), ("opid", "late"), ("grpo", "faithful")])
@@ -143,7 +144,7 @@ def test_scores_fill_columns_and_the_policy_view_matches_the_sequences():
     assert sl.stop - sl.start == exp.resp_lens[1]
     data = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens,
                      {"old_logprobs": exp.old_logprobs, "advantages": exp.token_advantages})
-    ref = TrainData.from_sequences([t for t, _ in exp.sequences()], exp.resp_lens,
+    ref = TrainData.from_sequences([exp.sequence(i).tolist() for i in range(exp.num_samples)], exp.resp_lens,
                                    old_logprobs=exp.old_logprobs, advantages=exp.token_advantages)
     assert np.array_equal(data.tokens, ref.tokens) and np.array_equal(data.seq_offsets, ref.seq_offsets)
 
