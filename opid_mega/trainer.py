@@ -35,16 +35,25 @@ from typing import Optional
 
 import torch
 
-from opid_mega import algo, experience
+from opid_mega import algo, experience, rundir
 from opid_mega.algo.routing import shuffle_analyses
 from opid_mega.algo.schedule import learning_rate
 from opid_mega.analysis import AnalysisStage
-from opid_mega.config import Config
+from opid_mega.batching.layout import fork_sample_bound
+from opid_mega.config import Config, redacted
 from opid_mega.experience import Experience, mean, outcome_info_means, skill_section_cap
-from opid_mega.metrics import Timer
+from opid_mega.infra import files, shutdown
+from opid_mega.infra.hosts import run_api_key
+from opid_mega.metrics import MetricsLogger, Timer, wandb_settings
+from opid_mega.models import load_tokenizer, resolve_model_path
 from opid_mega.plugins import advantage_function
-from opid_mega.rollout.launch import RolloutEngineDied, audit_rollout_skills, build_agent_loop, env_factory, play
+from opid_mega.rollout.launch import (RolloutEngineDied, audit_rollout_skills, build_agent_loop, build_analyzer,
+                                      build_engine, env_factory, launch_node_servers, play)
+from opid_mega.scoring.fork_scorer import ForkScorer
+from opid_mega.scoring.scorer import NaiveScorer
+from opid_mega.skills.audit import AuditLog
 from opid_mega.skills.injection import render_skill_section
+from opid_mega.skills.sanitize import cut_to_tokens
 
 KINDS = (algo.EPISODE, algo.STEP)
 
@@ -61,7 +70,6 @@ class TrainingInterrupted(Exception):
 def resolve_init(cfg: Config) -> str:
     """The HF directory the policy starts from: model.init_from (an HF dir, or "sft": the cached opid-sft warm start
     of this config, built when missing), else model.path / the built-in model."""
-    from opid_mega.models import resolve_model_path
 
     if cfg.model.init_from == "sft":
         from opid_mega.sft import ensure_sft
@@ -128,11 +136,12 @@ class Trainer:
         resume_overrides.jsonl (config.yaml is never rewritten on resume). `config_digest`: the digest of the run's
         config.yaml (opid_mega.rundir.config_digest), stored in every checkpoint (default: of `cfg` on a fresh start,
         of the saved config.yaml on a resume)."""
-        from opid_mega.metrics import MetricsLogger
-        from opid_mega.models import load_tokenizer
-        from opid_mega.scoring.fork_scorer import ForkScorer
-        from opid_mega.scoring.scorer import NaiveScorer
-        from opid_mega.skills.audit import AuditLog
+        # megatron-core is imported where it is used, here and below: importing the trainer (opid-eval takes
+        # resolve_init from it) does not import it
+        from opid_mega.megatron.checkpoint import clean_uncommitted
+        from opid_mega.megatron.colocate import Colocation
+        from opid_mega.megatron.policy import Policy
+        from opid_mega.megatron.weight_sync import WeightSync, gather_servers
 
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.logging.run_dir)
@@ -142,14 +151,9 @@ class Trainer:
         random.seed(cfg.train.seed)
 
         hf_dir = resolve_init(cfg)
-        from opid_mega.megatron.policy import Policy
-
         self.policy = Policy(cfg, hf_dir)  # every rank: Megatron TP/PP/DP
         # Rollout, analysis, evaluation, metrics and the audit log live on global rank 0; the batch is broadcast.
         self.rank0 = torch.distributed.get_rank() == 0
-        from opid_mega import rundir
-        from opid_mega.infra import files
-
         if config_digest is None:
             saved = self.run_dir / rundir.CONFIG_FILE
             config_digest = rundir.config_digest(rundir.read_saved_config(self.run_dir) if resume and saved.exists()
@@ -157,8 +161,6 @@ class Trainer:
         self.config_digest = config_digest
         self.start, resumed = 0, {}
         if resume:  # model, optimizer, RNG and step from the newest complete checkpoint
-            from opid_mega.megatron.checkpoint import clean_uncommitted
-
             if self.rank0:
                 removed = clean_uncommitted(self.ckpt_dir)
                 if removed:
@@ -185,18 +187,13 @@ class Trainer:
         # resumed: the records of iterations after the checkpoint are dropped (they are re-run), a torn line cut
         self.audit = AuditLog(self.run_dir / "audit.jsonl" if self.rank0 else None,
                               resume_iteration=self.start if resume else None)
-        from opid_mega.megatron.weight_sync import WeightSync, gather_servers
-        from opid_mega.rollout.launch import build_analyzer, build_engine, launch_node_servers
-
         analyzer, self.analyzer_server = build_analyzer(cfg, self.audit, self.run_dir) if self.rank0 else (None, None)
         self.analysis = AnalysisStage(analyzer, self.audit, cfg.analyzer, lambda t: len(self.encode_text(t)),
                                       self.run_dir)
-        # Analyzer output is untrusted: every skill is cut to analyzer.max_skill_tokens tokens (cut_analyses), so a
+        # Analyzer output is untrusted: every skill is cut to analyzer.max_skill_tokens tokens (AnalysisStage.cut), so a
         # skill section never exceeds section_caps[kind] tokens (fit_section), and one step-sample's fork group (the
         # original context and one per section, each at most prompt + section + response) always fits the scoring
         # budget: no analyzer output can make the fork scorer refuse a sample.
-        from opid_mega.batching.layout import fork_sample_bound
-
         self.section_caps = {k: skill_section_cap(self.encode_text, k, cfg.analyzer.max_skill_tokens) for k in KINDS}
         fork_budget = max(cfg.train.micro_batch_tokens,
                           fork_sample_bound(cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens,
@@ -216,15 +213,11 @@ class Trainer:
         # (SGLang sizes its KV cache from the memory free then, as opid-plan assumes; during rollout they are on the
         # host anyway, see Colocation)
         if resume and cfg.deploy.mode == "colocated" and cfg.deploy.offload_optimizer and torch.cuda.is_available():
-            from opid_mega.megatron.colocate import Colocation
-
             Colocation(cfg, self.policy, None).before_sync()
         # every node's first rank launches that node's rollout servers; global rank 0 drives all of them
         # one random API key per run for every server and the router it launches (rank 0 draws it; it travels only
-        # over the control group and into the servers through a pipe: opid_mega.infra.keyed), the servers bound to the
-        # node's cluster address (deploy.bind_host)
-        from opid_mega.infra.hosts import run_api_key
-
+        # over the control group and into the servers through a pipe: opid_mega.infra.keyed), the servers bound to
+        # the node's cluster address (deploy.bind_host)
         self.api_key = broadcast(run_api_key)
         self.servers = launch_node_servers(cfg, hf_dir, self.api_key) \
             if int(os.environ.get("LOCAL_RANK", "0")) == 0 else []
@@ -233,17 +226,12 @@ class Trainer:
         self.engine = build_engine(cfg, hf_dir, self.servers, urls, api_key=self.api_key) if self.rank0 else None
         self.loop = build_agent_loop(cfg, self.engine, self.tokenizer, hf_dir) if self.rank0 else None
         wait_for_rank0()  # rank 0 may have spent minutes launching servers
-        from opid_mega.megatron.colocate import Colocation
-
         self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer,
                                       servers=self.server_map, own=self.servers, api_key=self.api_key)
         self.colocation = Colocation(cfg, self.policy, self.engine)  # no-op unless colocated on GPU
         if resume:
             self.sync_weights(self.start)
         # the resolved config (secrets emptied) goes to TensorBoard (text + hparams) and W&B (wandb.init(config=))
-        from opid_mega.config import redacted
-        from opid_mega.metrics import wandb_settings
-
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                                  total=cfg.train.iterations, resume_step=self.start if resume else None,
                                  config=redacted(cfg), wandb=wandb_settings(cfg.logging, self.run_dir)) \
@@ -429,7 +417,6 @@ class Trainer:
         ids = self.encode_text(render_skill_section(skill, kind))
         cap = self.section_caps[kind]
         if len(ids) > cap:
-            from opid_mega.skills.sanitize import cut_to_tokens
 
             skill, _ = cut_to_tokens(skill, cap, lambda t: len(self.encode_text(render_skill_section(t, kind))))
             ids = self.encode_text(render_skill_section(skill, kind))
@@ -461,7 +448,6 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False, **tr
         trainer = Trainer(cfg, run_dir, resume, **trainer_kw)
         trainer.fit()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.infra.shutdown.Interrupted)
-        from opid_mega.infra import shutdown
         from opid_mega.megatron.checkpoint import latest_step
 
         run = Path(run_dir or cfg.logging.run_dir)
