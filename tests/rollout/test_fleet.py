@@ -2,11 +2,12 @@
 
 Fast: the split / ordering / seed / failover / fan-out logic over in-process engines (unit level only), per-prompt
 seeds through a real SGLangEngine against a small recording HTTP server, the launch env and launch_fleet's
-cleanup with real processes. Slow: THREE real SGLang CPU servers (tiny Qwen3, fp32), shared by the module:
-(a) the client-balanced fleet equals one server (greedy tokens, log-probs within 1e-5 of the largest |log-prob|,
-~1e-4 nats) with prompts on both servers;
+cleanup with real processes. Slow: THREE real SGLang CPU servers (tiny Qwen3, fp32) of the session pool
+(tests/rollout/conftest.py): (a) the client-balanced fleet equals one server (greedy tokens, log-probs within 1e-5 of
+the largest |log-prob|, ~1e-4 nats) with prompts on both servers; a frozen server leaves rotation (it is thawed);
 (c) the same through sglang-router, then one worker SIGKILLed mid-call; (b) a server SIGKILLed during a client-fleet
 call: every prompt answered, retried_requests > 0, dead_servers == 1, results equal to the run without the kill.
+The tests that kill a server take it out of the pool (marked take=True: they run after the sharing tests).
 """
 import importlib.util
 import json
@@ -268,18 +269,7 @@ def test_launch_fleet_env_and_cleanup(tmp_path, monkeypatch):
     assert not any(_alive(e.pid) for e in started)  # the two that started are shut down
 
 
-# ---- real SGLang CPU servers -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def servers(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
-    t0 = time.monotonic()
-    fleet = launch_fleet(tiny_qwen3, 3, real_sglang_cpu(max_running_requests=16),
-                         log_dir=str(tmp_path_factory.mktemp("fleet_logs")),
-                         engine_options={"startup_timeout_s": 300})
-    print(f"\n3 SGLang CPU servers ready in {time.monotonic() - t0:.1f} s")
-    yield fleet.engines
-    fleet.shutdown()
-
-
+# ---- real SGLang CPU servers of the session pool (tests/rollout/conftest.py) -------------------------------------
 def _real_prompts(n=24):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 151000, (int(k),), generator=g).tolist()
@@ -289,10 +279,10 @@ def _real_prompts(n=24):
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def reference(servers):
-    """All prompts through server 0 alone, in one call."""
-    return servers[0].generate(_real_prompts(), GREEDY)
+@pytest.fixture(scope="session")
+def reference(sglang_pool):
+    """All prompts through one server alone (pool server 0, serving the checkpoint), in one call."""
+    return sglang_pool.shared(1)[0].generate(_real_prompts(), GREEDY)
 
 
 def _assert_same(out, ref):
@@ -330,7 +320,9 @@ def _kill_when_busy(fleet, victim, run, busy):
 
 
 @pytest.mark.slow
-def test_client_fleet_equals_one_server(servers, reference):
+@pytest.mark.sglang_servers(shared=2)
+def test_client_fleet_equals_one_server(sglang_pool, reference):
+    servers = sglang_pool.shared(2)
     fleet = FleetEngine(servers[:2], chunk_prompts=3, owns=False)
     t0 = time.monotonic()
     out = fleet.generate(_real_prompts(), GREEDY)
@@ -343,12 +335,14 @@ def test_client_fleet_equals_one_server(servers, reference):
 
 
 @pytest.mark.slow
-def test_client_fleet_routes_around_a_frozen_server(servers, reference):
+@pytest.mark.sglang_servers(shared=3)  # freezes the third, thaws it
+def test_client_fleet_routes_around_a_frozen_server(sglang_pool, reference):
     """Issue 22: one server's scheduler frozen (SIGSTOP: the server is alive and accepts requests, answers none):
     the requests sent to it pass the per-request timeout, it leaves rotation like a dead one and the other server
     answers every prompt (the same results); then it is thawed for the tests after this one."""
     from launch.test_fleet_multinode import _scheduler_pid
 
+    servers = sglang_pool.shared(3)  # shared: thawed and idle again at the end
     victim, timeout = servers[2], 8.0
     # attached engines with a short request timeout (before the freeze: attaching asks the server for its info)
     engines = [SGLangEngine(url=e.url, request_timeout_s=timeout) for e in (servers[0], victim)]
@@ -395,9 +389,11 @@ def _router_generate_errors(fleet):
 
 
 @pytest.mark.slow
+@pytest.mark.sglang_servers(shared=2, take=True)  # kills its third worker
 @pytest.mark.skipif(not HAVE_ROUTER, reason="sglang-router not installed (pip install sglang-router)")
-def test_router_fleet_equals_one_server_and_survives_a_dead_worker(servers, reference, tmp_path):
-    victim = servers[2]
+def test_router_fleet_equals_one_server_and_survives_a_dead_worker(sglang_pool, request, reference, tmp_path):
+    victim = sglang_pool.take(request)
+    servers = sglang_pool.shared(2) + [victim]
     before = [_served(e) for e in servers]
     # 4 requests in flight at a time, one prompt each, round robin over the 3 workers: the victim always has work
     fleet = RouterFleet(servers, router_args=["--policy", "round_robin"], log_dir=str(tmp_path), owns=False,
@@ -442,8 +438,10 @@ def test_router_fleet_equals_one_server_and_survives_a_dead_worker(servers, refe
 
 
 @pytest.mark.slow
-def test_client_fleet_loses_nothing_when_a_server_dies(servers, reference):
-    victim = servers[1]
+@pytest.mark.sglang_servers(shared=1, take=True)  # kills its second server
+def test_client_fleet_loses_nothing_when_a_server_dies(sglang_pool, request, reference):
+    victim = sglang_pool.take(request)
+    servers = sglang_pool.shared(1) + [victim]
     assert victim.health(), "the client-fleet kill test needs server 1 alive"
     fleet = FleetEngine(servers[:2], chunk_prompts=2, max_inflight_prompts=4, owns=False)
     t0 = time.monotonic()

@@ -1,5 +1,6 @@
 """SGLang engine. Fast: command building, weight payloads, attach errors. Slow: ONE real CPU server (tiny Qwen3,
-fp32) checked against the local engine on the same weights, weight updates, and the dead-server error.
+fp32, taken from the session pool of tests/rollout/conftest.py) checked against the local engine on the same weights,
+weight updates, and the dead-server error.
 
 Tolerance: greedy tokens must be identical and |log-prob(SGLang) - log-prob(local)| <= 1e-5 of the largest |log-prob|
 (~1e-4 nats: REL x ~11, assert_close_scaled). Measured here:
@@ -76,13 +77,12 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
 
 
 # ---- one real server -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
-    engine = SGLangEngine(tiny_qwen3, server_args=real_sglang_cpu(), log_dir=str(tmp_path_factory.mktemp("sglang_logs")),
-                          startup_timeout_s=240)
-    print(f"\nSGLang CPU server ready in {engine.start_time_s:.1f} s (log {engine.log_path})")
-    yield engine
-    engine.shutdown()
+@pytest.fixture
+def server(sglang_pool, request):
+    """A server of the session pool (tests/rollout/conftest.py), this test's alone: it ends by killing it."""
+    engine = sglang_pool.take(request)
+    print(f"\nSGLang CPU server of the pool: {engine.url} (log {engine.log_path})")
+    return engine
 
 
 def _group_cpu_seconds(pgid: int) -> float:
@@ -116,6 +116,7 @@ def _assert_logprobs_close(a, b, msg):
 
 
 @pytest.mark.slow
+@pytest.mark.sglang_servers(take=True)  # step 6 kills the server
 def test_real_sglang_server_on_cpu(server, tiny_qwen3):
     from opid_mega.rollout.local_engine import LocalEngine
 

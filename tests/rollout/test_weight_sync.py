@@ -39,19 +39,18 @@ def test_buckets_group_by_size_and_keep_caller_buckets():
 
 
 @pytest.fixture(scope="module")
-def rig(tiny_qwen3, tmp_path_factory, real_sglang_cpu):
+def rig(tiny_qwen3, tmp_path_factory, sglang_pool):
+    """The engine: a shared server of the session pool (tests/rollout/conftest.py), left serving other weights (the
+    pool reloads the checkpoint into it before it hands it out again)."""
     from opid_mega.config import load_config
     from opid_mega.megatron import parallel
     from opid_mega.megatron.policy import Policy
     from opid_mega.models import load_tokenizer
-    from opid_mega.rollout.sglang_engine import SGLangEngine
 
     cfg = load_config(CONFIG, ["model.init_from=", "sync.check_interval=1", "sync.bucket_mb=1"])
     policy = Policy(cfg, tiny_qwen3)
-    engine = SGLangEngine(tiny_qwen3, server_args=real_sglang_cpu(max_total_tokens=4096, max_running_requests=4),
-                          log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=300)
+    engine = sglang_pool.shared(1)[0]
     yield cfg, policy, engine, load_tokenizer(tiny_qwen3), tmp_path_factory.mktemp("sync")
-    engine.shutdown()
     parallel.destroy_all()
 
 
@@ -64,6 +63,7 @@ def _perturb(policy, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.sglang_servers(shared=1)  # changes its weights
 def test_each_method_syncs_versions_and_a_bad_bucket_is_rejected(rig):
     from opid_mega.megatron.weight_sync import WeightSync, WeightSyncError
 
