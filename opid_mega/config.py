@@ -743,7 +743,6 @@ def _check_plugins(cfg: Config) -> None:
     are part of the package, and importing them would import torch (~1 s) into every config load."""
     from opid_mega.envs import check_env_config
     from opid_mega.plugins import PluginError, advantage_function, is_import_path, loss_function
-    from opid_mega.skills.plugins import check_analyzer
 
     a = cfg.analyzer
     try:
@@ -753,6 +752,8 @@ def _check_plugins(cfg: Config) -> None:
             loss_function(cfg.algo.loss_fn)
         check_env_config(cfg.env)
         if is_import_path(a.backend):
+            from opid_mega.skills.plugins import check_analyzer  # only for a plug-in: opid_mega.skills imports torch
+
             check_analyzer(a.backend, a.options)
         elif a.backend not in ("rules", "llm"):
             raise ConfigError(f"analyzer.backend: got {a.backend!r}, allowed: 'rules', 'llm' or an import path "
