@@ -113,16 +113,19 @@ def _group_has_processes(pgid: int) -> bool:
             return True
         except (ProcessLookupError, PermissionError):
             return False
+    return any(fields[2] == str(pgid) and fields[0] != "Z" for _, fields in _proc_stats(names))
+
+
+def _proc_stats(names: list):
+    """(pid, the /proc/<pid>/stat fields after the command name: state, ppid, pgrp, ...) of every process among the
+    /proc entries `names` that can still be read."""
     for d in names:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                    yield int(d), f.read().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
 
 
 def stop_all(timeout_s: float = 5.0) -> list[int]:
@@ -145,16 +148,7 @@ def _descendants(root: int) -> list[int]:
         import multiprocessing
 
         return [p.pid for p in multiprocessing.active_children()]
-    parent = {}
-    for d in names:
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[0] != "Z":
-                parent[int(d)] = int(fields[1])
+    parent = {pid: int(fields[1]) for pid, fields in _proc_stats(names) if fields[0] != "Z"}
     out, frontier = [], [root]
     while frontier:
         p = frontier.pop()
