@@ -4,8 +4,8 @@ backend="auto":   Triton when the tensor is on CUDA (and triton imports); Triton
                   interpreter when BOTH `TRITON_INTERPRET=1` and `OPID_TRITON_INTERPRET=1` are set; torch otherwise.
 backend="triton": Triton; on a CPU tensor this needs `TRITON_INTERPRET=1` set before the kernel module is imported.
 backend="torch":  the chunked torch path (CPU production path and reference).
-`OPID_KERNEL_BACKEND=triton|torch` in the environment turns every "auto" into that backend (opid-train sets it from
-`scoring.kernel_backend`).
+A run's `scoring.kernel_backend` reaches the kernels as the `backend` argument their callers pass, not through the
+environment (opid_mega.megatron's model and core attention take it as their `kernel_backend` argument).
 """
 from __future__ import annotations
 
@@ -37,10 +37,6 @@ def resolve_backend(backend: str, tensor: torch.Tensor, kernel: str) -> str:
     """Return "triton" or "torch" for `tensor`, raising a clear error for impossible requests."""
     if backend not in BACKENDS:
         raise ValueError(f"{kernel}: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = os.environ.get("OPID_KERNEL_BACKEND", "auto").strip().lower() or "auto"
-        if backend not in BACKENDS:
-            raise ValueError(f"{kernel}: OPID_KERNEL_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
     if backend == "auto":

@@ -337,7 +337,8 @@ class EvalConfig:
 class ScoringConfig:
     scorer: Literal["naive", "fork"] = "naive"
     # Backend of opid_mega.kernels (fused log-prob, fork attention) in the Megatron path: auto = Triton on GPU, torch on
-    # CPU; triton on CPU needs TRITON_INTERPRET=1 (slow, for testing). Exported to every rank as OPID_KERNEL_BACKEND.
+    # CPU; triton on CPU needs TRITON_INTERPRET=1 (slow, for testing). Reaches the kernels as the Megatron model's
+    # `kernel_backend` argument (opid_mega.megatron.model.build_model), on every rank.
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
 
 

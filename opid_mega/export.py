@@ -183,7 +183,7 @@ def load_run_model(plan: ExportPlan) -> Iterator[RunModel]:
     except (OSError, ValueError) as e:
         raise ExportError(f"{plan.source_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     with _one_process():
-        chunks = build_model(hf_config, tcfg)
+        chunks = build_model(hf_config, tcfg, kernel_backend=plan.cfg.scoring.kernel_backend)
         try:
             with warnings.catch_warnings():  # torch's notice about megatron's ShardedTensor, on every load
                 warnings.filterwarnings("ignore", message=".*Please use DTensor instead", category=FutureWarning)

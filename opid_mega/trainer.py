@@ -146,7 +146,6 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.logging.run_dir)
         self.ckpt_dir = str(self.run_dir / "checkpoints")
-        os.environ["OPID_KERNEL_BACKEND"] = cfg.scoring.kernel_backend  # opid_mega.kernels' "auto" on every rank
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
 

@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
-    """Each test ends with os.environ as it began: code run in-process may set variables for its ranks (the trainer
-    sets OPID_KERNEL_BACKEND from scoring.kernel_backend), which would otherwise change later tests' kernels."""
+    """Each test ends with os.environ as it began: code run in-process may set variables (the process-group set-up
+    sets MASTER_ADDR / MASTER_PORT, a command's console set-up tokenizer and hub settings), which would otherwise
+    leak into later tests."""
     saved = dict(os.environ)
     yield
     if dict(os.environ) != saved:

@@ -11,7 +11,8 @@ A plain megatron ``PackedSeqParams`` (thd) is accepted as such a batch. Without 
 one causal sequence.
 
 :class:`PackedCoreAttention` picks its kernel per call:
-- scoring (eval mode, no grad): ``opid_mega.kernels.fork_attention`` (Triton on GPU, per-segment SDPA on CPU);
+- scoring (eval mode, no grad): ``opid_mega.kernels.fork_attention`` with the module's ``kernel_backend`` (auto:
+  Triton on GPU, per-segment SDPA on CPU);
 - training (train mode or grad enabled), plain packs and fork layouts alike: :func:`varlen_attention`, ONE varlen
   call over :class:`VarlenLayout` -- each sequence / fork prefix a causal segment, each branch a segment whose keys
   are [its group's prefix, the branch] with the causal mask aligned bottom-right (= the fork mask; no key of another
@@ -449,13 +450,24 @@ def _route_te_extra_state(module, state_dict, prefix, local_metadata, strict, mi
         state_dict[f"{prefix}{_TE_CHILD}._extra_state"] = state
 
 
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
 class PackedCoreAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` (same constructor) that understands packed layouts
-    (:class:`ForkPackedSeqParams`, or a plain thd ``PackedSeqParams``)."""
+    (:class:`ForkPackedSeqParams`, or a plain thd ``PackedSeqParams``).
+
+    ``kernel_backend`` ("auto" | "triton" | "torch"): the ``backend`` of the ``opid_mega.kernels`` call it makes (the
+    scoring fork kernel); set through the layer spec's ``ModuleSpec.params`` (``opid_mega.megatron.model.layer_spec``).
+    """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, kernel_backend: str = "auto"):
+        if kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"PackedCoreAttention: kernel_backend must be one of {KERNEL_BACKENDS}, got "
+                             f"{kernel_backend!r}")
         super().__init__(config=config)
+        self.kernel_backend = kernel_backend
         if config.context_parallel_size != 1:
             raise ValueError("PackedCoreAttention does not support context parallelism")
         if config.apply_rope_fusion:
@@ -530,7 +542,7 @@ class PackedCoreAttention(MegatronModule):
         if not self.training and not torch.is_grad_enabled():  # scoring: the fork kernel (forward only)
             out = fork_attention(query, key, value, params.device_cu_seqlens(query.device),
                                  params.branches(query.device), softmax_scale=self.softmax_scale,
-                                 meta=params.fork_meta(query.device))
+                                 meta=params.fork_meta(query.device), backend=self.kernel_backend)
         else:  # training, plain or fork layout: one varlen call
             out = varlen_attention(query, key, value, params, softmax_scale=self.softmax_scale,
                                    dropout_p=self._dropout_p(), te_module=self.te_attention, dropout_rng=self._rng())

@@ -10,6 +10,11 @@ work without forking megatron-core.
 - the last stage returns per-token log-probs (and entropy) of ``score_targets`` at hidden rows ``score_rows``,
   computed vocabulary-parallel by ``opid_mega.kernels.fused_logprobs`` (full-vocab logits are never gathered);
   under sequence parallel it first gathers the hidden rows from the sequence-parallel region.
+
+``kernel_backend`` ("auto" | "triton" | "torch", the run config's ``scoring.kernel_backend``) reaches every
+``opid_mega.kernels`` call as its ``backend`` argument: :func:`build_model` / :func:`build_chunk` hand it to
+:class:`OpidGPTModel` (log-prob head, divergence) and, through the layer spec's ``ModuleSpec.params``, to every
+layer's :class:`PackedCoreAttention` (fork attention).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from opid_mega.megatron.attention import PackedCoreAttention
+from opid_mega.megatron.attention import KERNEL_BACKENDS, PackedCoreAttention
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 
@@ -173,9 +179,17 @@ def recompute_config(mode: str) -> dict:
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-def layer_spec(config: TransformerConfig):
+def _check_kernel_backend(kernel_backend: str) -> str:
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
+    return kernel_backend
+
+
+def layer_spec(config: TransformerConfig, kernel_backend: str = "auto"):
     """Local spec (TE spec when Transformer Engine imports: any import problem of TE means the local spec,
-    :mod:`opid_mega.megatron.te_guard`) with PackedCoreAttention."""
+    :mod:`opid_mega.megatron.te_guard`) with PackedCoreAttention as the core attention, built with
+    ``kernel_backend`` (its ``ModuleSpec.params``)."""
+    _check_kernel_backend(kernel_backend)
     from opid_mega.megatron import te_guard
 
     spec = None
@@ -196,12 +210,21 @@ def layer_spec(config: TransformerConfig):
             sub.input_layernorm = sub.pre_mlp_layernorm = TorchNorm
             if config.qk_layernorm:
                 sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = TorchQKNorm
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=PackedCoreAttention, params={"kernel_backend": kernel_backend})
     return spec
 
 
 class OpidGPTModel(GPTModel):
-    """GPTModel with explicit-position RoPE, packed layouts and a vocabulary-parallel log-prob head."""
+    """GPTModel with explicit-position RoPE, packed layouts and a vocabulary-parallel log-prob head.
+
+    ``kernel_backend``: the ``backend`` of the ``opid_mega.kernels`` calls of the head (log-probs, divergence); the
+    layers' core attention gets its own from the layer spec (:func:`layer_spec`)."""
+
+    def __init__(self, *args, kernel_backend: str = "auto", **kwargs):
+        _check_kernel_backend(kernel_backend)
+        super().__init__(*args, **kwargs)
+        self.kernel_backend = kernel_backend
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, *,
                 packed_seq_params: Optional[PackedSeqParams] = None, score_rows: Optional[torch.Tensor] = None,
@@ -261,7 +284,8 @@ class OpidGPTModel(GPTModel):
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         out = fused_logprobs(h, w, targets, vocab_start=tp_rank * w.shape[0],
                              tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None,
-                             return_entropy=return_entropy, temperature=temperature, reduce_hidden_grad=not sp)
+                             return_entropy=return_entropy, temperature=temperature, reduce_hidden_grad=not sp,
+                             backend=self.kernel_backend)
         scores = torch.stack(out) if return_entropy else out[None]
         if pairs is None:
             return scores
@@ -286,16 +310,16 @@ class OpidGPTModel(GPTModel):
             h[pairs[0]], h[pairs[1]], w, targets[pairs[1]],
             vocab_start=parallel_state.get_tensor_model_parallel_rank() * w.shape[0],
             tp_group=parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None, topk=topk,
-            temperature=temperature, reduce_hidden_grad=not self.config.sequence_parallel)
+            temperature=temperature, reduce_hidden_grad=not self.config.sequence_parallel, backend=self.kernel_backend)
 
 
 def build_chunk(hf, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
-                vp_stage: Optional[int] = None, pg_collection=None) -> OpidGPTModel:
+                vp_stage: Optional[int] = None, pg_collection=None, kernel_backend: str = "auto") -> OpidGPTModel:
     """One OpidGPTModel: the pipeline stage (``vp_stage``: its virtual chunk) that ``pre_process`` / ``post_process``
     say. ``hf``: a HF config or an architecture dict (:func:`arch_of`). ``pg_collection``: megatron-core's process
-    groups (None: the global ones)."""
+    groups (None: the global ones). ``kernel_backend``: the backend of its kernels (module docstring)."""
     a = arch_of(hf)
-    spec = layer_spec(config)
+    spec = layer_spec(config, kernel_backend=kernel_backend)
     block = spec
     if config.sequence_parallel and spec.submodules.input_layernorm is TorchNorm:  # and the final norm too
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -307,7 +331,7 @@ def build_chunk(hf, config: TransformerConfig, pre_process: bool = True, post_pr
         pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=a["tied"],
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=a["rope_theta"], vp_stage=vp_stage,
-        pg_collection=pg_collection,
+        pg_collection=pg_collection, kernel_backend=kernel_backend,
     )
     if torch.cuda.is_available():
         m = m.cuda()
@@ -330,8 +354,9 @@ def to_model_dtype(m: torch.nn.Module, config: TransformerConfig) -> torch.nn.Mo
     return m.to(model_dtype(config))
 
 
-def build_model(hf, config: TransformerConfig) -> list[OpidGPTModel]:
-    """One OpidGPTModel per (virtual) pipeline chunk on this rank (a list of length vpp, or 1)."""
+def build_model(hf, config: TransformerConfig, kernel_backend: str = "auto") -> list[OpidGPTModel]:
+    """One OpidGPTModel per (virtual) pipeline chunk on this rank (a list of length vpp, or 1); ``kernel_backend``:
+    the backend of their kernels (module docstring)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp in range(vpp or 1):
@@ -339,5 +364,5 @@ def build_model(hf, config: TransformerConfig) -> list[OpidGPTModel]:
         chunks.append(build_chunk(
             hf, config, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage))
+            vp_stage=vp_stage, kernel_backend=kernel_backend))
     return chunks

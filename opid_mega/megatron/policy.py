@@ -45,7 +45,7 @@ class Policy:
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
         tcfg = transformer_config(self.hf_config, tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=torch_dtype(cfg.model.dtype),
                                   sequence_parallel=p.sequence_parallel, **recompute_config(cfg.train.recompute))
-        self.chunks = build_model(self.hf_config, tcfg)
+        self.chunks = build_model(self.hf_config, tcfg, kernel_backend=cfg.scoring.kernel_backend)
         weights.load_hf_weights(self.chunks, self.hf_config, hf_dir)
         self.reference = ReferenceWeights(self.chunks) if cfg.train.use_reference and cfg.algo.kl_coef > 0 else None
         t = cfg.train
