@@ -159,14 +159,20 @@ class AnalyzerConfig:
     api_key_env: str = "OPENAI_API_KEY"
     max_step_skills: int = 5  # K (ALFWorld/WebShop 5, Search 2)
     gamma: float = 0.95
-    concurrency: int = 16
+    concurrency: int = 16  # the analyzer's worker threads: trajectories analysed at once
+    # At most this many HTTP requests open at once to the endpoint (one limit per base_url, shared by every analyzer
+    # of the process: training and evaluation): a hosted endpoint's rate limit. 0: no limit beyond concurrency. A
+    # slot is held only while a request is open, never through a backoff or Retry-After wait.
+    max_in_flight: int = 0
     # Replies are streamed; a request with no new token for stall_timeout_s (the wait for the first token included)
     # is given up, aborted on the server (SGLang: /abort_request with its rid) and retried. timeout_s: an optional cap
     # on one whole reply (null: none; the start-up probe warns when it is shorter than a max_tokens reply).
     stall_timeout_s: float = 120.0
     timeout_s: Optional[float] = None
     # The reference's retry policy: 1 + max_retries attempts (5 in all), every error retried (an empty reply too),
-    # waits backoff_s x 2^(r-1) capped at backoff_max_s (1, 2, 4, 8 s).
+    # waits backoff_s x 2^(r-1) capped at backoff_max_s (1, 2, 4, 8 s). A 429 or 503 with a Retry-After header
+    # (seconds or an HTTP date) waits what it asks instead, capped at backoff_max_s; one that would end past
+    # deadline_s ends that analysis at once as a deadline failure.
     max_retries: int = 4
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -182,6 +188,9 @@ class AnalyzerConfig:
     # opid_mega/skills/parser.py).
     parser: Literal["reference", "ours"] = "reference"
     max_tokens: int = 4096  # the analyzer's completion budget, as in the reference
+    # The request field that carries max_tokens (the start-up probe's too): max_tokens (the reference's; SGLang,
+    # vLLM) or max_completion_tokens (OpenAI's newer models reject max_tokens; some servers know only max_tokens).
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
     # The run stops (one line, exit 3) after this many iterations in a row in which every analysis failed (0: never)
     max_failed_iterations: int = 3
     # Skills (episode and step) longer than this many tokens of the policy tokenizer are cut at a word boundary
@@ -491,6 +500,7 @@ _CHECKS: dict[str, tuple] = {
     "analyzer.max_step_skills": (lambda v: v >= 0, "an integer >= 0"),
     "analyzer.gamma": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "analyzer.concurrency": (lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+    "analyzer.max_in_flight": (lambda v: v >= 0, "an integer >= 0 (0: no limit beyond analyzer.concurrency)"),
     "analyzer.timeout_s": (lambda v: v is None or 0 < v <= MAX_SECONDS,
                            f"null or a number of seconds in (0, {MAX_SECONDS:g}]"),
     "analyzer.stall_timeout_s": _SECONDS,

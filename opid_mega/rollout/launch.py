@@ -146,7 +146,7 @@ def llm_analyzer(a, base_url: Optional[str] = None, cache_path=None, audit=None,
                        backoff_s=a.backoff_s, backoff_max_s=a.backoff_max_s, temperature=a.temperature,
                        max_tokens=a.max_tokens, response_format=analyzer_response_format(a), parser=a.parser,
                        max_step_skills=a.max_step_skills, gamma=a.gamma, cache_path=cache_path, audit=audit,
-                       sglang=sglang)
+                       sglang=sglang, max_tokens_field=a.max_tokens_field, max_in_flight=a.max_in_flight)
 
 
 def server_args(cfg: Config, extra: list, gpus: list, mem_fraction: float) -> tuple[list, Optional[dict]]:

@@ -14,7 +14,9 @@ with the `parser` rules); an unusable reply gets ONE re-ask (`build_reask_prompt
 the bad reply); a trajectory whose analysis finally fails gets None (no skill signal; its outcome advantage stays) —
 counted in `stats["failures"]`, logged, never raised.
 
-Requests (the reference's sampling, "More reference facts"): one user message, `max_tokens`; no temperature unless
+Requests (the reference's sampling, "More reference facts"): one user message, the completion budget `max_tokens`
+(sent as `max_tokens_field`: "max_tokens", the reference's and SGLang/vLLM's, or "max_completion_tokens", which
+OpenAI's newer models require; the probe sends the same field); no temperature unless
 `temperature` is set (the server's default otherwise) and no response format unless `response_format` is
 "json_object" or "json_schema" (this project's options; a server that answers 400/422 to one is asked once more
 without it, and the analyzer then stops sending it). The text parsed is the reasoning content, a newline, then the
@@ -23,7 +25,10 @@ content.
 Retries (the reference's policy): 1 + `max_retries` (default 4: 5 attempts in all) per request; EVERY exception is
 retried — HTTP errors of any status, connection errors, timeouts, a broken body — and so is an empty reply (a
 transport error); the wait before retry r (1-based) is min(backoff_max_s, backoff_s x 2^(r-1)): 1, 2, 4, 8 s by
-default. The `openai` client does the HTTP (auth header, SSE decoding, error types) with its own retries off: its
+default. A 429 or 503 with a `Retry-After` header (delay-seconds or an HTTP date; OpenAI's `retry-after-ms` first)
+waits what the server asks instead, capped at `backoff_max_s` (`stats["retry_after_waits"]`); a wait that would
+end past the call's deadline is not slept: the analysis ends at once as a deadline failure. In the probe a 429 is
+retried like that too (every other 4xx is final there). The `openai` client does the HTTP (auth header, SSE decoding, error types) with its own retries off: its
 policy (0.5 s x 2 capped at 8 s with jitter, transient statuses only, no empty-reply check) is not the reference's.
 
 Timeouts that cannot starve: replies are streamed and a request is given up only when it makes no progress — no
@@ -43,8 +48,13 @@ Untrusted text: `opid_mega.skills.sanitize` cleans and caps each reply as it arr
 or read back from the cache, so one poisoned reply (a lone surrogate, control characters, a 5000-digit step key)
 costs at most its own analysis, never the batch or a resumed run; a failed cache write costs only that entry.
 
-Concurrency: at most `concurrency` requests in flight per analyzer (one worker pool), whatever the number of
-concurrent `analyze`/`submit` calls.
+Concurrency: at most `concurrency` trajectories analysed at once per analyzer (one worker pool), whatever the number
+of concurrent `analyze`/`submit` calls. `max_in_flight` > 0 also caps the HTTP requests open at once to one endpoint
+(keyed by base_url) over every LLMAnalyzer of the process — a hosted endpoint's rate limit shared by the training
+and evaluation analyzers: a request waits for a slot before it is sent and holds it only while it is open (never
+through a backoff or Retry-After wait); each analyzer applies its own limit to the endpoint's shared count
+(`stats["in_flight_waits"]`: requests that had to wait for a slot). A wait for a slot ends at the call's deadline or
+at close().
 
 Deadline: `submit(..., deadline_s=D)` / `analyze_records(..., deadline_s=D)` (the trainer's analyzer.deadline_s)
 returns D seconds after the call at the latest: every analysis not done by then is a failure ("deadline: ..."; no
@@ -55,9 +65,12 @@ deadline. `close()` does not wait for requests in flight (it aborts them on the 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import email.utils
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -95,6 +108,9 @@ _RESPONSE_FORMAT_BODY = {
     "json_schema": {"type": "json_schema",
                     "json_schema": {"name": "hindsight_analysis", "schema": ANALYSIS_JSON_SCHEMA}},
 }
+
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
+RETRY_AFTER_STATUSES = (429, 503)  # the statuses whose Retry-After header is honoured
 
 PROBE_PROMPT = "Reply with the single word: ready"
 PROBE_MAX_TOKENS = 16
@@ -178,6 +194,78 @@ def chat_completions_url(base_url: str) -> str:
     return url + "/v1/chat/completions"
 
 
+def retry_after_s(headers: Any, now: Optional[float] = None) -> Optional[float]:
+    """The seconds a reply asks the client to wait before retrying: `retry-after-ms` (OpenAI's), else `Retry-After`
+    as delay-seconds or an HTTP date (a date in the past: 0); None when neither is there or readable."""
+    if headers is None:
+        return None
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            value = float(ms) / 1000.0
+            if math.isfinite(value) and value >= 0:
+                return value
+        except ValueError:
+            pass
+    text = (headers.get("retry-after") or "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+        return value if math.isfinite(value) and value >= 0 else None
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+class _EndpointGate:
+    """The HTTP requests open to one endpoint over every LLMAnalyzer of the process (max_in_flight): a counting
+    semaphore whose limit each analyzer gives when it enters (0: counted, never waits)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.open = 0
+
+    def enter(self, limit: int, stop: threading.Event, call: "_Call") -> bool:
+        """Take a slot (waits while `limit` requests are open); True when it had to wait. Raises _Stop when the
+        call's deadline passes or the analyzer closes while waiting."""
+        waited = False
+        with self._cond:
+            while limit and self.open >= limit:
+                if stop.is_set():
+                    raise _Stop("analyzer closed")
+                left = call.left()
+                if left is not None and left <= 0:
+                    raise _Stop(call.deadline_failure())
+                waited = True
+                self._cond.wait(0.1 if left is None else min(0.1, left))
+            self.open += 1
+        return waited
+
+    def leave(self) -> None:
+        with self._cond:
+            self.open -= 1
+            self._cond.notify_all()
+
+
+_GATES: dict[str, _EndpointGate] = {}
+_GATES_LOCK = threading.Lock()
+
+
+def endpoint_gate(base_url: str) -> _EndpointGate:
+    """The process's one gate of the endpoint `base_url` (the `.../v1` form)."""
+    with _GATES_LOCK:
+        return _GATES.setdefault(base_url, _EndpointGate())
+
+
 class _Call:
     """State shared by the trajectories of one analyze() call."""
 
@@ -200,7 +288,8 @@ class LLMAnalyzer(Analyzer):
                  max_tokens: int = 4096, response_format: Optional[str] = "none", parser: str = "reference",
                  max_step_skills: int = 5, gamma: float = 0.95, cache: bool = True,
                  cache_path: Optional[str | Path] = None, audit: Optional[AuditLog] = None,
-                 connect_timeout_s: float = 10.0, sglang: Optional[bool] = None):
+                 connect_timeout_s: float = 10.0, sglang: Optional[bool] = None,
+                 max_tokens_field: str = "max_tokens", max_in_flight: int = 0):
         if not model:
             raise ValueError("LLMAnalyzer: model is empty (the served model name, e.g. the HF path given to SGLang)")
         if concurrency < 1:
@@ -218,6 +307,11 @@ class LLMAnalyzer(Analyzer):
                              f"{', '.join(RESPONSE_FORMATS)}")
         if parser not in PARSER_RULES:
             raise ValueError(f"LLMAnalyzer: parser={parser!r}, allowed: {', '.join(PARSER_RULES)}")
+        if max_tokens_field not in MAX_TOKENS_FIELDS:
+            raise ValueError(f"LLMAnalyzer: max_tokens_field={max_tokens_field!r}, allowed: "
+                             f"{', '.join(MAX_TOKENS_FIELDS)}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+            raise ValueError(f"LLMAnalyzer: max_in_flight={max_in_flight!r} must be an integer >= 0 (0: no limit)")
         self.url = chat_completions_url(base_url)
         self.base_url = self.url[: -len("/chat/completions")]  # .../v1, what the openai client takes
         self.server_root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url  # /abort_request
@@ -232,6 +326,9 @@ class LLMAnalyzer(Analyzer):
         self.backoff_max_s = float(backoff_max_s)
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.max_tokens_field = max_tokens_field
+        self.max_in_flight = max_in_flight
+        self._gate = endpoint_gate(self.base_url)  # shared with every analyzer of this endpoint in the process
         self.response_format: Optional[str] = None if response_format == "none" else response_format
         self.parser = parser
         self.max_step_skills = max_step_skills
@@ -242,7 +339,7 @@ class LLMAnalyzer(Analyzer):
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "retries": 0, "reasks": 0, "failures": 0, "cache_hits": 0, "analyzed": 0,
                        "response_format_fallbacks": 0, "deadline_failures": 0, "empty_replies": 0, "stalls": 0,
-                       "aborts": 0}
+                       "aborts": 0, "retry_after_waits": 0, "in_flight_waits": 0}
         self._stop = threading.Event()
         self._workers = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llm-analyzer")
         # openai's own retries are off: the loop in _chat is the reference's policy (see the module docstring)
@@ -469,7 +566,8 @@ class LLMAnalyzer(Analyzer):
     def probe(self, max_tokens: int = PROBE_MAX_TOKENS) -> ProbeResult:
         """One short request before any analysis: whether the endpoint answers, with this key and this model.
         Whether the server is SGLang (GET /model_info answers with a model_path) is found out first when not given.
-        Connection errors, timeouts, 5xx and empty replies are retried like any request; a 4xx is final. Raises
+        Connection errors, timeouts, 5xx, 429 (its Retry-After honoured) and empty replies are retried like any
+        request; any other 4xx is final. Raises
         AnalyzerUnavailable with one line naming the endpoint, the reason and the config key to check."""
         if self.sglang is None:
             self.sglang = self._looks_like_sglang()
@@ -529,6 +627,7 @@ class LLMAnalyzer(Analyzer):
         tried_without_format = False
         tries = 0
         while True:
+            wait_hint: Optional[float] = None  # what a 429/503 asked for in Retry-After
             if self._stop.is_set():
                 raise TransportError("analyzer closed")
             left = call.left()
@@ -548,9 +647,11 @@ class LLMAnalyzer(Analyzer):
                     tries -= 1
                     self._count("response_format_fallbacks")
                     continue
-                if final_4xx and 400 <= e.status_code < 500:
+                if final_4xx and 400 <= e.status_code < 500 and e.status_code != 429:
                     raise
                 error = f"HTTP {e.status_code}: {_short(getattr(e, 'message', e))}"
+                if e.status_code in RETRY_AFTER_STATUSES:
+                    wait_hint = retry_after_s(getattr(getattr(e, "response", None), "headers", None))
             except Exception as e:  # noqa: BLE001 - the reference retries every exception
                 if isinstance(e, EmptyReply):
                     self._count("empty_replies")
@@ -566,10 +667,18 @@ class LLMAnalyzer(Analyzer):
                 return reply
             if tries >= 1 + self.max_retries:
                 raise TransportError(f"{error} (after {tries} attempts)")
-            delay = self._backoff(tries)
+            left = call.left()
+            if wait_hint is None:
+                delay = self._backoff(tries)
+            else:
+                delay = min(wait_hint, self.backoff_max_s)
+                if left is not None and delay >= left:  # not slept: it would end past the deadline
+                    raise TransportError(
+                        f"deadline: {error}; the server asked to retry after {wait_hint:g} s (Retry-After), past "
+                        f"analyzer.deadline_s={call.deadline_s:g} s ({max(0.0, left):.1f} s left)")
+                self._count("retry_after_waits")
             self._count("retries")
             logger.debug("LLM analyzer: %s; retry %d/%d in %.2f s", error, tries, self.max_retries, delay)
-            left = call.left()
             if self._stop.wait(delay if left is None else max(0.0, min(delay, left))):
                 raise TransportError("analyzer closed")
 
@@ -578,13 +687,22 @@ class LLMAnalyzer(Analyzer):
         whatever the transport raised; a request given up after it was sent is aborted on the server."""
         rid = f"opid-analyzer-{uuid.uuid4().hex}" if self.sglang else None
         kwargs: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                                  "max_tokens": max_tokens, "stream": True}
+                                  self.max_tokens_field: max_tokens, "stream": True}
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
         if response_format is not None:
             kwargs["response_format"] = _RESPONSE_FORMAT_BODY[response_format]
         if rid:
             kwargs["extra_body"] = {"rid": rid}
+        if self._gate.enter(self.max_in_flight, self._stop, call):  # a slot of analyzer.max_in_flight
+            self._count("in_flight_waits")
+        try:
+            return self._send(kwargs, rid, call)
+        finally:
+            self._gate.leave()
+
+    def _send(self, kwargs: dict, rid: Optional[str], call: _Call) -> "_Reply":
+        """The request of _request, sent and read (its slot of the endpoint held)."""
         t0 = time.monotonic()
         read_s = self.stall_timeout_s if self.timeout_s is None else min(self.stall_timeout_s, self.timeout_s)
         left = call.left()

@@ -6,6 +6,7 @@ not from our code: 5 attempts in all, every error retried, an empty reply retrie
 the text parsed = reasoning + newline + content, the re-ask quotes the last 2000 characters."""
 from __future__ import annotations
 
+import email.utils
 import json
 import socket
 import threading
@@ -19,7 +20,8 @@ import pytest
 
 from opid_mega.skills import Analysis, TrajectoryView, build_analysis_prompt
 from opid_mega.skills.audit import AuditLog, read_audit
-from opid_mega.skills.llm_analyzer import AnalysisJob, AnalyzerUnavailable, LLMAnalyzer, chat_completions_url
+from opid_mega.skills.llm_analyzer import (AnalysisJob, AnalyzerUnavailable, LLMAnalyzer, chat_completions_url,
+                                            retry_after_s)
 
 GOOD = json.dumps({"episode_summary": "Found the apple and put it in the fridge.",
                    "episode_skill": "Locate the object, take it, then open the target receptacle and put it in.",
@@ -70,7 +72,9 @@ def _chunk(content=None, reasoning=None, finish=None) -> bytes:
 class FakeServer:
     """`script(body: dict, n: int) -> (status, payload, delay_s, headers)`; n counts chat requests from 0. payload:
     an SSE (streamed), a dict (a JSON body) or a str (a raw body). `sglang`: GET /model_info answers like SGLang.
-    `api_key`: requests without `Authorization: Bearer <api_key>` get 401. Records: bodies, aborts (rids), gets."""
+    `api_key`: requests without `Authorization: Bearer <api_key>` get 401. Records: bodies, aborts (rids), gets,
+    max_in_flight (chat requests open at once; a request stops counting just before its last bytes are written, so
+    a client that starts its next request the moment one ends is never counted twice)."""
 
     def __init__(self, script, sglang: bool = True, api_key: Optional[str] = None, models=("served-model",)):
         self.script = script
@@ -87,6 +91,13 @@ class FakeServer:
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
+            def _done(self):
+                """This chat request no longer counts as open (once)."""
+                if getattr(self, "_open", False):
+                    self._open = False
+                    with outer.lock:
+                        outer.in_flight -= 1
+
             def _reply(self, status, payload, headers=None):
                 data = (json.dumps(payload) if isinstance(payload, (dict, list)) else payload).encode()
                 self.send_response(status)
@@ -95,6 +106,7 @@ class FakeServer:
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
+                self._done()
                 self.wfile.write(data)
 
             def _authorized(self):
@@ -121,6 +133,7 @@ class FakeServer:
                 with outer.lock:
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                self._open = True
                 try:
                     if not self._authorized():
                         return self._reply(401, {"error": {"message": "Invalid API key"}})
@@ -139,8 +152,7 @@ class FakeServer:
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up and left
                     pass
                 finally:
-                    with outer.lock:
-                        outer.in_flight -= 1
+                    self._done()
 
             def _stream(self, sse: SSE, aborted: threading.Event):
                 self.send_response(200)
@@ -154,12 +166,14 @@ class FakeServer:
                 for i, c in enumerate(chunks):
                     if sse.stall_after is not None and i >= sse.stall_after:
                         if aborted.wait(sse.hold_s):  # SGLang ends an aborted stream with finish_reason "abort"
+                            self._done()
                             self.wfile.write(_chunk(finish="abort") + b"data: [DONE]\n\n")
                         return
                     self.wfile.write(c)
                     self.wfile.flush()
                     if sse.gap_s:
                         time.sleep(sse.gap_s)
+                self._done()
                 self.wfile.write(_chunk(finish=sse.finish) + b"data: [DONE]\n\n")
                 self.wfile.flush()
 
@@ -568,3 +582,137 @@ def test_from_config():
     default = load_config(None, ["analyzer.model=m"])
     with llm_analyzer(default.analyzer, base_url="http://h:1") as an:
         assert an.response_format is None and an.temperature is None and an.parser == "reference"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hosted endpoints: Retry-After, the completion budget's field name, a shared cap on requests in flight
+# ---------------------------------------------------------------------------------------------------------------
+def _then_ok(first_status: int, headers: dict):
+    """The first chat request gets `first_status` with `headers`, every later one the analysis."""
+    def script(body, n):
+        if n == 0:
+            return first_status, {"error": {"message": "slow down"}}, 0.0, headers
+        return 200, SSE(GOOD), 0.0, {}
+    return script
+
+
+def test_retry_after_header_values():
+    assert retry_after_s({"retry-after": "1"}) == 1.0 and retry_after_s({"retry-after": " 2.5 "}) == 2.5
+    assert retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25  # OpenAI's header first
+    now = 1_700_000_000.0
+    date = email.utils.formatdate(now + 7, usegmt=True)
+    assert retry_after_s({"retry-after": date}, now=now) == pytest.approx(7.0)
+    assert retry_after_s({"retry-after": email.utils.formatdate(now - 60, usegmt=True)}, now=now) == 0.0
+    for bad in ({}, {"retry-after": ""}, {"retry-after": "soon"}, {"retry-after": "-3"}, {"retry-after": "nan"}):
+        assert retry_after_s(bad) is None
+
+
+def test_429_retry_after_seconds_is_waited_then_retried():
+    with serve(_then_ok(429, {"Retry-After": "1"})) as srv, _analyzer(srv.url, backoff_max_s=30.0) as an:
+        t0 = time.monotonic()
+        (rec,) = an.analyze_records([_traj(0)])
+        elapsed = time.monotonic() - t0
+        assert isinstance(rec.analysis, Analysis) and rec.attempts == 2 and len(srv.bodies) == 2
+        assert 0.9 <= elapsed < 1.0 + 3.0  # the backoff alone would have been 0.01 s
+        assert an.stats["retry_after_waits"] == 1 and an.stats["retries"] == 1
+    # capped at backoff_max_s: a Retry-After of 30 s waits 0.2 s
+    with serve(_then_ok(429, {"Retry-After": "30"})) as srv, _analyzer(srv.url, backoff_max_s=0.2) as an:
+        t0 = time.monotonic()
+        assert isinstance(an.analyze([_traj(0)])[0], Analysis)
+        assert 0.15 <= time.monotonic() - t0 < 0.2 + 3.0 and an.stats["retry_after_waits"] == 1
+
+
+def test_503_retry_after_http_date_is_waited():
+    with serve(_then_ok(503, {"Retry-After": email.utils.formatdate(time.time() + 2, usegmt=True)})) as srv, \
+            _analyzer(srv.url, backoff_max_s=30.0) as an:
+        t0 = time.monotonic()
+        (rec,) = an.analyze_records([_traj(0)])
+        elapsed = time.monotonic() - t0
+        # the date has whole seconds: it lies 1-2 s ahead when the reply is read
+        assert isinstance(rec.analysis, Analysis) and rec.attempts == 2
+        assert 0.9 <= elapsed < 2.0 + 3.0 and an.stats["retry_after_waits"] == 1
+
+
+def test_retry_after_past_the_deadline_is_a_deadline_failure_without_the_wait():
+    always = lambda body, n: (429, {"error": {"message": "rate limited"}}, 0.0, {"Retry-After": "30"})  # noqa: E731
+    with serve(always) as srv, _analyzer(srv.url, backoff_max_s=60.0) as an:
+        t0 = time.monotonic()
+        job = an.submit([_traj(0)], deadline_s=10.0)
+        assert job.result(timeout=60) == [None]
+        assert time.monotonic() - t0 < 4.0  # neither the 30 s wait nor the 10 s deadline was sat out
+        (rec,) = job.records
+        assert rec.failure.startswith("transport: deadline: HTTP 429") and "Retry-After" in rec.failure
+        assert len(srv.bodies) == 1 and an.late(job) == 1
+        st = an.stats
+        assert (st["deadline_failures"], st["failures"], st["retry_after_waits"], st["retries"]) == (1, 1, 0, 0)
+
+
+def test_probe_retries_a_429():
+    with serve(_then_ok(429, {"Retry-After": "0"})) as srv, _analyzer(srv.url, backoff_max_s=30.0) as an:
+        assert an.probe().tokens >= 1 and len(srv.bodies) == 2 and an.stats["retry_after_waits"] == 1
+
+
+def test_max_tokens_field():
+    with serve(_sse()) as srv:
+        with _analyzer(srv.url, max_tokens=321, max_tokens_field="max_completion_tokens") as an:
+            an.probe()
+            assert isinstance(an.analyze([_traj(0)])[0], Analysis)
+        with _analyzer(srv.url, max_tokens=321) as an:  # the default: the reference's request exactly
+            an.analyze([_traj(1)])
+        probe, new, old = srv.bodies
+    assert probe["max_completion_tokens"] == 16 and "max_tokens" not in probe
+    assert new["max_completion_tokens"] == 321 and "max_tokens" not in new
+    assert old["max_tokens"] == 321 and "max_completion_tokens" not in old
+    with pytest.raises(ValueError, match="max_tokens_field"):
+        LLMAnalyzer("http://h:1", model="m", max_tokens_field="max_new_tokens")
+    with pytest.raises(ValueError, match="max_in_flight"):
+        LLMAnalyzer("http://h:1", model="m", max_in_flight=-1)
+
+
+def test_max_in_flight_caps_open_requests_per_endpoint():
+    trajs = [_traj(i) for i in range(4)]
+    with serve(_sse(GOOD, pieces=3, gap_s=0.05)) as srv:
+        with _analyzer(srv.url, concurrency=4, max_in_flight=1) as an:
+            assert all(isinstance(a, Analysis) for a in an.analyze(trajs))
+            assert srv.max_in_flight == 1 and an.stats["in_flight_waits"] >= 1
+    with serve(_sse(GOOD, pieces=3, gap_s=0.05)) as srv:
+        with _analyzer(srv.url, concurrency=4) as an:  # 0: only concurrency bounds it
+            an.analyze(trajs)
+            assert srv.max_in_flight > 1 and an.stats["in_flight_waits"] == 0
+    # two analyzers of one endpoint (training and evaluation) share its limit
+    with serve(_sse(GOOD, pieces=3, gap_s=0.05)) as srv:
+        with _analyzer(srv.url, concurrency=3, max_in_flight=1) as a1, \
+                _analyzer(srv.url + "/v1", concurrency=3, max_in_flight=1) as a2:
+            j1, j2 = a1.submit(trajs[:3]), a2.submit([_traj(i) for i in range(10, 13)])
+            assert all(isinstance(a, Analysis) for a in j1.result(timeout=60) + j2.result(timeout=60))
+            assert srv.max_in_flight == 1 and len(srv.bodies) == 6
+
+
+def test_a_slot_is_not_held_through_a_retry_after_wait():
+    """max_in_flight=1, two trajectories: the first request gets 429 with Retry-After 1; the other trajectory's
+    request is sent (and answered) during that wait, then the retry."""
+    with serve(_then_ok(429, {"Retry-After": "1"})) as srv, \
+            _analyzer(srv.url, concurrency=2, max_in_flight=1, backoff_max_s=30.0) as an:
+        t0 = time.monotonic()
+        out = an.analyze([_traj(0), _traj(1)])
+        assert all(isinstance(a, Analysis) for a in out) and 0.9 <= time.monotonic() - t0 < 1.0 + 3.0
+        first, other, retry = srv.prompts()
+        assert other != first and retry == first and srv.max_in_flight == 1
+
+
+def test_hosted_endpoint_keys_from_config():
+    from opid_mega.config import ConfigError, load_config
+    from opid_mega.rollout.launch import llm_analyzer
+
+    cfg = load_config(None, ["analyzer.model=m", "analyzer.max_tokens_field=max_completion_tokens",
+                             "analyzer.max_in_flight=2"])
+    with llm_analyzer(cfg.analyzer, base_url="http://h:1") as an:
+        assert (an.max_tokens_field, an.max_in_flight) == ("max_completion_tokens", 2)
+    default = load_config(None, ["analyzer.model=m"]).analyzer
+    assert (default.max_tokens_field, default.max_in_flight) == ("max_tokens", 0)
+    for override, key in (("analyzer.max_tokens_field=max_new_tokens", "analyzer.max_tokens_field"),
+                          ("analyzer.max_in_flight=-1", "analyzer.max_in_flight"),
+                          ("analyzer.max_in_flight=1.5", "analyzer.max_in_flight")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert str(e.value).startswith(key) and "\n" not in str(e.value)
