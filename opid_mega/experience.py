@@ -150,13 +150,10 @@ class Experience:
         return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s))
                 for s in range(self.num_samples)]
 
-    def skill_context_tokens(self) -> list:
-        """Per sample, the token lists of its skill contexts (sorted kinds): the distillation teacher's input."""
-        out = []
-        for s in range(self.num_samples):
-            p, r = self.prompt(s).tolist(), self.response(s).tolist()
-            out.append([p[:at] + sec + p[at:] + r for _, (at, sec) in sorted(self.contexts(s).items())])
-        return out
+    def skill_columns(self) -> dict:
+        """The skill contexts as the policy's training view takes them (TrainData's skill_* keyword arguments)."""
+        return dict(skill_offsets=self.skill_offsets, insert_at=self.skill_insert_at,
+                    section_offsets=self.section_offsets, section_tokens=self.section_tokens)
 
     @property
     def outcome_per_token(self) -> np.ndarray:
@@ -194,7 +191,7 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     per_sample, kinds, at_list, sections = [], [], [], []
     for s, (step, route) in enumerate(zip(exp.steps, routes)):
         n = 0
-        for kind, skill in route.items():
+        for kind, skill in sorted(route.items()):  # contexts in kind order, as the scorers take them
             at = (step.episode_insert_at, step.step_insert_at)[anchor(kind, algo_cfg.placement)]
             skill, ids = fit_section(skill, kind)
             if not ids:

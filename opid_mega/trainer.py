@@ -351,7 +351,7 @@ class Trainer:
         log-probs and (algo.distill_coef > 0) the skill contexts as the distillation's teacher."""
         from opid_mega.megatron.train_batches import TrainData
 
-        skills = TrainData.skill_columns(exp.skill_context_tokens()) if self.cfg.algo.distill_coef > 0 else {}
+        skills = exp.skill_columns() if self.cfg.algo.distill_coef > 0 else {}
         values = {"old_logprobs": exp.old_logprobs, "advantages": exp.token_advantages}
         if exp.ref_logprobs is not None:
             values["ref_logprobs"] = exp.ref_logprobs

@@ -85,6 +85,90 @@ def flatten_contexts(samples: Sequence[Sequence[Tuple[Sequence[int], int]]]) -> 
     return ContextBatch(tokens, ctx_offsets, np.asarray(resp_lens, np.int64).reshape(-1), sample_offsets)
 
 
+def csr_offsets(lens) -> np.ndarray:
+    """int64 [n+1] offsets of rows with `lens` values each."""
+    lens = np.asarray(lens, np.int64)
+    out = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def csr_ranges(starts, lens) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + lens[i]) over i (int64), vectorised."""
+    starts, lens = np.asarray(starts, np.int64), np.asarray(lens, np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - csr_offsets(lens)[:-1], lens) + np.arange(total, dtype=np.int64)
+
+
+def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, section_offsets,
+                   section_tokens) -> ContextBatch:
+    """The fork-layout contexts of step-samples from their skill insertion points, with no per-token Python.
+
+    Sample s is sequence `tokens[seq_offsets[s]:seq_offsets[s+1]]`, its first `prompt_lens[s]` tokens the prompt;
+    it owns skill contexts `skill_offsets[s]:skill_offsets[s+1]`, and skill context e inserts section e
+    (`section_tokens[section_offsets[e]:section_offsets[e+1]]`) into the prompt before token `insert_at[e]`.
+    Result: per sample its original context (the sequence), then `prompt[:at] + section + prompt[at:] + response`
+    for each of its skill contexts in order; every context's resp_len is the sample's response length. The one
+    place the insertion rule becomes tokens: the scorers and the training micro-batches both come through here."""
+    tokens = np.ascontiguousarray(tokens)
+    if tokens.dtype not in (np.int32, np.int64):
+        raise TypeError(f"tokens must have dtype int32 or int64, got {tokens.dtype}")
+    seq_offsets, prompt_lens, skill_offsets, insert_at, section_offsets = (
+        np.ascontiguousarray(x, np.int64) for x in (seq_offsets, prompt_lens, skill_offsets, insert_at,
+                                                    section_offsets))
+    section_tokens = np.ascontiguousarray(section_tokens, tokens.dtype)
+    check_offsets("seq_offsets", seq_offsets, tokens.size, "tokens")
+    S = seq_offsets.size - 1
+    seq_lens = np.diff(seq_offsets)
+    if prompt_lens.shape != (S,):
+        raise ValueError(f"prompt_lens has shape {prompt_lens.shape}, expected ({S},)")
+    bad = np.flatnonzero((prompt_lens < 1) | (prompt_lens > seq_lens))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"prompt_lens[{s}]={int(prompt_lens[s])} must be in [1, {int(seq_lens[s])}] (the "
+                         "sequence's length; a context needs at least one prompt token)")
+    if skill_offsets.shape != (S + 1,):
+        raise ValueError(f"skill_offsets has shape {skill_offsets.shape}, expected ({S + 1},)")
+    E = int(skill_offsets[-1]) if S >= 0 else 0
+    check_offsets("skill_offsets", skill_offsets, E, "skill contexts")
+    if insert_at.shape != (E,):
+        raise ValueError(f"insert_at has shape {insert_at.shape}, expected ({E},) (one per skill context)")
+    if section_offsets.shape != (E + 1,):
+        raise ValueError(f"section_offsets has shape {section_offsets.shape}, expected ({E + 1},)")
+    check_offsets("section_offsets", section_offsets, section_tokens.size, "section tokens")
+    n_skill = np.diff(skill_offsets)
+    owner = np.repeat(np.arange(S, dtype=np.int64), n_skill)  # the sample of each skill context
+    bad = np.flatnonzero((insert_at < 0) | (insert_at > prompt_lens[owner]))
+    if bad.size:
+        e = int(bad[0])
+        raise ValueError(f"insert_at[{e}]={int(insert_at[e])} lies outside the prompt of sample {int(owner[e])} "
+                         f"(0..{int(prompt_lens[owner[e]])})")
+    # Pieces in output order: per sample [its sequence] then, per skill context, [prompt head | section | rest].
+    # Positions of the pieces in a pool [tokens | section_tokens].
+    n_pieces = 1 + 3 * n_skill
+    piece0 = csr_offsets(n_pieces)[:-1]  # each sample's first piece
+    starts = np.zeros(int(n_pieces.sum()), np.int64)
+    lens = np.zeros_like(starts)
+    starts[piece0], lens[piece0] = seq_offsets[:-1], seq_lens
+    head = piece0[owner] + 1 + 3 * (np.arange(E, dtype=np.int64) - skill_offsets[:-1][owner])
+    seq0 = seq_offsets[:-1][owner]
+    starts[head], lens[head] = seq0, insert_at
+    starts[head + 1], lens[head + 1] = tokens.size + section_offsets[:-1], np.diff(section_offsets)
+    starts[head + 2], lens[head + 2] = seq0 + insert_at, seq_lens[owner] - insert_at
+    pool = np.concatenate([tokens, section_tokens]) if section_tokens.size else tokens
+    out = np.ascontiguousarray(pool[csr_ranges(starts, lens)])
+    ctx_lens = np.zeros(S + E, np.int64)
+    ctx_of_sample = csr_offsets(1 + n_skill)
+    ctx_lens[ctx_of_sample[:-1]] = seq_lens
+    skill_ctx = np.ones(S + E, bool)
+    skill_ctx[ctx_of_sample[:-1]] = False
+    ctx_lens[skill_ctx] = seq_lens[owner] + np.diff(section_offsets)
+    resp = np.repeat(seq_lens - prompt_lens, 1 + n_skill)
+    return ContextBatch(out, csr_offsets(ctx_lens), resp, ctx_of_sample)
+
+
 # ----------------------------------------------------------------------------------------------- validation
 def check_array(name: str, arr, dtypes: Tuple[type, ...], length: Optional[int] = None) -> np.ndarray:
     """Require a 1-D C-contiguous numpy array of one of `dtypes` (no silent casts: they would copy)."""

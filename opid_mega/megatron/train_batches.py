@@ -59,12 +59,13 @@ class TrainData:
     seq_offsets: np.ndarray
     resp_lens: np.ndarray
     values: dict = field(default_factory=dict)
-    # optional skill contexts (CSR): context e is skill_tokens[skill_offsets[e]:skill_offsets[e+1]] (prompt with a
-    # skill section + the sample's response, resp_lens[s] tokens); sample s owns contexts
-    # skill_sample_offsets[s]:skill_sample_offsets[s+1]
-    skill_tokens: Optional[np.ndarray] = None
+    # optional skill contexts, as the record keeps them (opid_mega.experience): sample s owns skill contexts
+    # skill_offsets[s]:skill_offsets[s+1]; skill context e inserts section e
+    # (section_tokens[section_offsets[e]:section_offsets[e+1]]) into the sample's prompt before token insert_at[e]
     skill_offsets: Optional[np.ndarray] = None
-    skill_sample_offsets: Optional[np.ndarray] = None
+    insert_at: Optional[np.ndarray] = None
+    section_offsets: Optional[np.ndarray] = None
+    section_tokens: Optional[np.ndarray] = None
 
     def __post_init__(self):
         self.tokens = np.ascontiguousarray(self.tokens, np.int32)
@@ -98,62 +99,46 @@ class TrainData:
                 raise ValueError(f"{k} has shape {v.shape}, expected ({total},) (one value per response token)")
 
     def _check_skills(self) -> None:
-        given = [x is not None for x in (self.skill_tokens, self.skill_offsets, self.skill_sample_offsets)]
+        given = [x is not None for x in (self.skill_offsets, self.insert_at, self.section_offsets,
+                                         self.section_tokens)]
         if not any(given):
             return
         if not all(given):
-            raise ValueError("skill contexts need skill_tokens, skill_offsets and skill_sample_offsets together")
-        self.skill_tokens = np.ascontiguousarray(self.skill_tokens, np.int32)
-        self.skill_offsets = np.ascontiguousarray(self.skill_offsets, np.int64)
-        self.skill_sample_offsets = np.ascontiguousarray(self.skill_sample_offsets, np.int64)
-        so, ss = self.skill_offsets, self.skill_sample_offsets
-        if so.ndim != 1 or so.size < 1 or so[0] != 0 or so[-1] != self.skill_tokens.size or np.any(np.diff(so) < 0):
-            raise ValueError(f"skill_offsets must rise from 0 to the {self.skill_tokens.size} skill tokens")
-        if ss.shape != (self.num_samples + 1,) or ss[0] != 0 or ss[-1] != so.size - 1 or np.any(np.diff(ss) < 0):
-            raise ValueError(f"skill_sample_offsets must rise from 0 to the {so.size - 1} skill contexts, one entry "
-                             f"per sample + 1 ({self.num_samples + 1})")
-        owner = np.repeat(np.arange(self.num_samples), np.diff(ss))
-        r = self.resp_lens[owner]
-        lens = np.diff(so)
-        bad = np.flatnonzero(lens <= r)
-        if bad.size:
-            e = int(bad[0])
-            raise ValueError(f"skill context {e} of sample {int(owner[e])} has {int(lens[e])} tokens, not more than "
-                             f"the sample's {int(r[e])}-token response")
-        ends_s = so[1:]
-        ends_o = self.seq_offsets[1:][owner]
-        same = (self.skill_tokens[_ranges(ends_s - r, r)] == self.tokens[_ranges(ends_o - r, r)]) if r.sum() else \
-            np.ones(0, bool)
-        if not same.all():
-            e = int(owner[np.searchsorted(_offsets(r)[1:], np.flatnonzero(~same)[0], side="right")])
-            raise ValueError(f"a skill context of sample {e} does not end with the sample's response")
+            raise ValueError("skill contexts need skill_offsets, insert_at, section_offsets and section_tokens "
+                             "together")
+        self.skill_offsets, self.insert_at, self.section_offsets = (
+            np.ascontiguousarray(x, np.int64) for x in (self.skill_offsets, self.insert_at, self.section_offsets))
+        self.section_tokens = np.ascontiguousarray(self.section_tokens, np.int32)
+        self.contexts()  # every error of the columns, named, at construction
+
+    def contexts(self):
+        """Every sample's original context then its skill contexts (`opid_mega.batching.layout.skill_contexts`)."""
+        from opid_mega.batching.layout import skill_contexts
+
+        return skill_contexts(self.tokens, self.seq_offsets, np.diff(self.seq_offsets) - self.resp_lens,
+                              self.skill_offsets, self.insert_at, self.section_offsets, self.section_tokens)
 
     @property
     def has_skills(self) -> bool:
-        return self.skill_offsets is not None and self.skill_offsets.size > 1
+        return self.skill_offsets is not None and int(self.skill_offsets[-1]) > 0
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[Sequence[int]], resp_lens: Sequence[int],
-                       skill_contexts: Optional[Sequence[Sequence[Sequence[int]]]] = None, **values) -> "TrainData":
+                       skills: Optional[Sequence[dict]] = None, **values) -> "TrainData":
         """From token lists (prompt + response each) and response lengths; values flat over responses.
-        ``skill_contexts[s]``: sample s's skill contexts as token lists (skill-augmented prompt + the same response)."""
+        ``skills[s]``: sample s's skill contexts as {kind: (insert_at, section token list)}, in sorted kind order."""
         lens = np.fromiter(map(len, seqs), np.int64, count=len(seqs))
         tokens = _int32_tokens(seqs, lens)
-        skills = {}
-        if skill_contexts is not None:
-            if len(skill_contexts) != len(seqs):
-                raise ValueError(f"skill_contexts has {len(skill_contexts)} entries for {len(seqs)} samples")
-            skills = cls.skill_columns(skill_contexts)
-        return cls(tokens, _offsets(lens), np.asarray(resp_lens, np.int64), values, **skills)
-
-    @staticmethod
-    def skill_columns(skill_contexts: Sequence[Sequence[Sequence[int]]]) -> dict:
-        """The skill_* constructor arguments of per-sample skill contexts (token lists)."""
-        flat = [c for per in skill_contexts for c in per]
-        clens = np.fromiter(map(len, flat), np.int64, count=len(flat))
-        return dict(skill_tokens=_int32_tokens(flat, clens), skill_offsets=_offsets(clens),
-                    skill_sample_offsets=_offsets(np.fromiter(map(len, skill_contexts), np.int64,
-                                                              count=len(skill_contexts))))
+        cols = {}
+        if skills is not None:
+            if len(skills) != len(seqs):
+                raise ValueError(f"skills has {len(skills)} entries for {len(seqs)} samples")
+            sections = [sec for per in skills for _, sec in (per[k] for k in sorted(per))]
+            slens = np.fromiter(map(len, sections), np.int64, count=len(sections))
+            cols = dict(skill_offsets=_offsets(np.fromiter(map(len, skills), np.int64, count=len(skills))),
+                        insert_at=np.array([per[k][0] for per in skills for k in sorted(per)], np.int64),
+                        section_offsets=_offsets(slens), section_tokens=_int32_tokens(sections, slens))
+        return cls(tokens, _offsets(lens), np.asarray(resp_lens, np.int64), values, **cols)
 
     @property
     def num_samples(self) -> int:
@@ -169,11 +154,11 @@ class TrainData:
         val = _ranges(_offsets(self.resp_lens)[idx], self.resp_lens[idx])
         skills = {}
         if self.skill_offsets is not None:
-            per = np.diff(self.skill_sample_offsets)[idx]
-            ctx = _ranges(self.skill_sample_offsets[idx], per)
-            clens = np.diff(self.skill_offsets)[ctx]
-            skills = dict(skill_tokens=self.skill_tokens[_ranges(self.skill_offsets[ctx], clens)],
-                          skill_offsets=_offsets(clens), skill_sample_offsets=_offsets(per))
+            per = np.diff(self.skill_offsets)[idx]
+            ctx = _ranges(self.skill_offsets[idx], per)
+            slens = np.diff(self.section_offsets)[ctx]
+            skills = dict(skill_offsets=_offsets(per), insert_at=self.insert_at[ctx], section_offsets=_offsets(slens),
+                          section_tokens=self.section_tokens[_ranges(self.section_offsets[ctx], slens)])
         return TrainData(self.tokens[tok], _offsets(seq_lens), self.resp_lens[idx],
                          {k: v[val] for k, v in self.values.items()}, **skills)
 
@@ -205,26 +190,14 @@ class TrainData:
     def _fork_micro_batches(self, budget: int, num_ranks: int, rank: int, backend: Optional[str]) -> list[PackedBatch]:
         """Fork-layout micro-batches: per sample its original context, then its skill contexts (module docstring)."""
         from opid_mega.batching import build_fork_batches
-        from opid_mega.batching.layout import ContextBatch
 
-        S = self.num_samples
-        n_skill = np.diff(self.skill_sample_offsets)
-        per = 1 + n_skill  # contexts per sample
-        sample_offsets = _offsets(per)
+        ctx = self.contexts()
+        sample_offsets = ctx.sample_offsets
+        is_orig = np.zeros(ctx.num_contexts, bool)
+        is_orig[sample_offsets[:-1]] = True
+        owner = np.repeat(np.arange(self.num_samples), np.diff(sample_offsets))
         orig_ctx = sample_offsets[:-1]
-        is_orig = np.zeros(int(sample_offsets[-1]), bool)
-        is_orig[orig_ctx] = True
-        owner = np.repeat(np.arange(S), per)
-        # context c's tokens in the pool [orig tokens | skill tokens]: an orig context is its sequence; the j-th
-        # skill context of sample s is skill context skill_sample_offsets[s] + j - 1
-        skill_idx = np.cumsum(~is_orig) - 1
-        seq_lens, skill_lens = np.diff(self.seq_offsets), np.diff(self.skill_offsets)
-        starts = np.where(is_orig, self.seq_offsets[:-1][owner],
-                          self.tokens.size + self.skill_offsets[:-1][np.maximum(skill_idx, 0)])
-        lens = np.where(is_orig, seq_lens[owner], skill_lens[np.maximum(skill_idx, 0)])
-        pool = np.concatenate([self.tokens, self.skill_tokens])
-        ctx = ContextBatch(np.ascontiguousarray(pool[_ranges(starts, lens)]), _offsets(lens),
-                           np.ascontiguousarray(self.resp_lens[owner]), sample_offsets)
+        lens = np.diff(ctx.ctx_offsets)
         need = int(np.add.reduceat(lens, sample_offsets[:-1]).max())  # a sample never leaves its micro-batch
         pb = build_fork_batches(ctx, max(int(budget), need), num_ranks, backend=backend)
         f = pb.flat

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from opid_mega.scoring.scorer import ScoreRequest, ScoreResult, check_temperature
+from opid_mega.scoring.scorer import ScoreRequest, ScoreResult, check_temperature, context_batch
 
 # packed_logprob_fn(micro_batches, temperature=T) -> one float32 tensor [M_b] per micro-batch: the log-probs of
 # `gather_targets` read at hidden rows `gather_rows` (see opid_mega.batching.MicroBatch) under softmax(logits / T).
@@ -43,11 +43,10 @@ class ForkScorer:
 
     def pack(self, requests: Sequence[ScoreRequest]):
         """(PackedBatches, kinds per request) for `requests` (C++ batch builder when built)."""
-        from opid_mega.batching import build_fork_batches, flatten_contexts
+        from opid_mega.batching import build_fork_batches
 
-        kinds = [[None, *sorted(r.skills)] for r in requests]
-        samples = [[(r.context(k), len(r.response_ids)) for k in ks] for r, ks in zip(requests, kinds)]
-        packed = build_fork_batches(flatten_contexts(samples), self.max_tokens, 1, share_prompts=self.share_prompts)
+        contexts, kinds = context_batch(requests)
+        packed = build_fork_batches(contexts, self.max_tokens, 1, share_prompts=self.share_prompts)
         return packed, kinds
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:

@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
+
+from opid_mega.batching.layout import ContextBatch, csr_offsets, skill_contexts
 
 
 @dataclass
@@ -38,13 +41,21 @@ class ScoreRequest:
         if len(self.prompt_ids) == 0:
             raise ValueError("ScoreRequest: empty prompt")
 
-    def context(self, kind: str | None) -> list[int]:
-        """The token ids of the original context (kind None) or of one skill context."""
-        p = list(self.prompt_ids)
-        if kind is not None:
-            at, section = self.skills[kind]
-            p = p[:at] + list(section) + p[at:]
-        return p + list(self.response_ids)
+
+def context_batch(requests: Sequence[ScoreRequest]) -> tuple[ContextBatch, list]:
+    """(contexts, kinds): every request's original context then its skill contexts in sorted kind order, as one
+    CSR batch built from the insertion points (`opid_mega.batching.layout.skill_contexts`); kinds[i] is
+    `[None, *sorted(kinds)]` of request i, one entry per context."""
+    kinds = [[None, *sorted(r.skills)] for r in requests]
+    seqs = [np.asarray(list(r.prompt_ids) + list(r.response_ids), np.int64) for r in requests]
+    sections = [r.skills[k] for r, ks in zip(requests, kinds) for k in ks[1:]]
+    sec_ids = [np.asarray(list(ids), np.int64) for _, ids in sections]
+    tokens = np.concatenate(seqs) if seqs else np.zeros(0, np.int64)
+    ctx = skill_contexts(tokens, csr_offsets([x.size for x in seqs]), [len(r.prompt_ids) for r in requests],
+                         csr_offsets([len(ks) - 1 for ks in kinds]), [at for at, _ in sections],
+                         csr_offsets([x.size for x in sec_ids]),
+                         np.concatenate(sec_ids) if sec_ids else np.zeros(0, np.int64))
+    return ctx, kinds
 
 
 @dataclass
@@ -84,13 +95,10 @@ class NaiveScorer:
         self.last_tokens = 0  # tokens run through the model by the last score() call
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        seqs: list[tuple[list[int], int]] = []
-        index: list[tuple[int, str | None]] = []
-        for i, r in enumerate(requests):
-            for kind in [None, *sorted(r.skills)]:
-                ctx = r.context(kind)
-                seqs.append((ctx, len(ctx) - len(r.response_ids)))
-                index.append((i, kind))
+        ctx, kinds = context_batch(requests)
+        seqs = [(ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist(),
+                 int(ctx.ctx_offsets[c + 1] - ctx.ctx_offsets[c] - ctx.resp_lens[c])) for c in range(ctx.num_contexts)]
+        index = [(i, kind) for i, ks in enumerate(kinds) for kind in ks]
         self.last_tokens = sum(len(t) for t, _ in seqs)
         lps = self.logprob_fn(seqs, temperature=self.temperature) if seqs else []
         results = [ScoreResult(orig=torch.empty(0), skill={}) for _ in requests]

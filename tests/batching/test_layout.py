@@ -163,3 +163,52 @@ def test_fork_layout_logprobs_equal_naive_passes_float64(seed):
             lp = _toy_logprobs(params, t, torch.arange(n), mask)
             ref = lp[torch.arange(n - r - 1, n - 1), t[n - r:]].numpy()
             np.testing.assert_allclose(per[s][c], ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_skill_contexts_insert_each_section_at_its_point(seed):
+    from opid_mega.batching.layout import csr_offsets, skill_contexts
+
+    rng = np.random.default_rng(seed)
+    seqs, plens, per, at, secs = [], [], [], [], []
+    for _ in range(int(rng.integers(1, 12))):
+        p, r = int(rng.integers(1, 9)), int(rng.integers(0, 6))
+        seqs.append(rng.integers(1, 90_000, p + r).tolist())
+        plens.append(p)
+        k = int(rng.integers(0, 3))
+        per.append(k)
+        for _ in range(k):
+            at.append(int(rng.integers(0, p + 1)))
+            secs.append(rng.integers(1, 90_000, int(rng.integers(0, 5))).tolist())
+    ctx = skill_contexts(np.concatenate([np.array(s, np.int32) for s in seqs]), csr_offsets(list(map(len, seqs))),
+                         plens, csr_offsets(per), at, csr_offsets(list(map(len, secs))),
+                         np.array([t for s in secs for t in s], np.int32))
+    want, resp, e = [], [], 0
+    for s, (seq, p, k) in enumerate(zip(seqs, plens, per)):
+        want.append(seq)
+        for _ in range(k):  # prompt[:at] + section + prompt[at:] + response, by hand
+            want.append(seq[:at[e]] + secs[e] + seq[at[e]:])
+            e += 1
+        resp += [len(seq) - p] * (1 + k)
+    got = [ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist() for c in range(ctx.num_contexts)]
+    assert got == want and ctx.resp_lens.tolist() == resp and ctx.tokens.dtype == np.int32
+    assert ctx.sample_offsets.tolist() == csr_offsets([1 + k for k in per]).tolist()
+
+
+def test_skill_contexts_name_bad_columns():
+    from opid_mega.batching.layout import skill_contexts
+
+    tok, off = np.array([5, 6, 7], np.int32), np.array([0, 3])
+    ok = dict(tokens=tok, seq_offsets=off, prompt_lens=[2], skill_offsets=[0, 1], insert_at=[1],
+              section_offsets=[0, 2], section_tokens=np.array([8, 9], np.int32))
+    assert skill_contexts(**ok).tokens.tolist() == [5, 6, 7, 5, 8, 9, 6, 7]
+    for change, match in [(dict(insert_at=[3]), r"insert_at\[0\]=3 lies outside the prompt of sample 0 \(0..2\)"),
+                          (dict(insert_at=[-1]), r"insert_at\[0\]=-1"),
+                          (dict(prompt_lens=[0]), r"prompt_lens\[0\]=0 must be in \[1, 3\]"),
+                          (dict(prompt_lens=[2, 1]), r"prompt_lens has shape \(2,\), expected \(1,\)"),
+                          (dict(skill_offsets=[0, 2]), r"insert_at has shape \(1,\), expected \(2,\)"),
+                          (dict(section_offsets=[0, 3]), r"section_offsets\[-1\]=3 must equal"),
+                          (dict(seq_offsets=[0, 4]), r"seq_offsets\[-1\]=4 must equal the number of tokens \(3\)"),
+                          (dict(tokens=tok.astype(np.float32)), "dtype int32 or int64")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            skill_contexts(**{**ok, **change})

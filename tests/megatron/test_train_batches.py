@@ -148,7 +148,7 @@ def _skill_data(seed, n=17):
     """Samples with 0-2 skill contexts each: a section inserted at a random point of the prompt; the old log-prob
     names its token (sample * 1000 + position)."""
     rng = np.random.default_rng(seed)
-    seqs, resp, skills = [], [], []
+    seqs, resp, skills, sections = [], [], [], []
     shared = rng.integers(0, 50_000, 9).tolist()
     for i in range(n):
         prompt = list(shared) if i % 3 == 0 else rng.integers(0, 50_000, int(rng.integers(1, 30))).tolist()
@@ -156,14 +156,17 @@ def _skill_data(seed, n=17):
         response = rng.integers(0, 50_000, r).tolist()
         seqs.append(prompt + response)
         resp.append(r)
-        ctxs = []
-        for _ in range(int(rng.integers(0, 3))):
+        ctxs, per = [], {}
+        for kind in ("episode", "step")[:int(rng.integers(0, 3))]:
             at = int(rng.integers(0, len(prompt) + 1))
-            ctxs.append(prompt[:at] + rng.integers(0, 50_000, int(rng.integers(1, 8))).tolist() + prompt[at:] + response)
+            section = rng.integers(0, 50_000, int(rng.integers(1, 8))).tolist()
+            per[kind] = (at, section)
+            ctxs.append(prompt[:at] + section + prompt[at:] + response)
         skills.append(ctxs)
+        sections.append(per)
     code = np.concatenate([s * 1000 + np.arange(r) for s, r in enumerate(resp)]).astype(np.float32)
-    return seqs, resp, skills, TrainData.from_sequences(seqs, resp, skill_contexts=skills, old_logprobs=code,
-                                                        advantages=-code - 0.5)
+    return seqs, resp, skills, TrainData.from_sequences(seqs, resp, skills=sections, old_logprobs=code,
+                                                        advantages=-code - 0.5), sections
 
 
 def _visible(b, row):
@@ -175,7 +178,7 @@ def _visible(b, row):
 
 @pytest.mark.parametrize("seed,budget,ranks", [(0, 64, 1), (1, 200, 2), (2, 1, 3)])
 def test_skill_context_batches_pair_every_skill_token_with_its_original_token(seed, budget, ranks):
-    seqs, resp, skills, data = _skill_data(seed)
+    seqs, resp, skills, data, _ = _skill_data(seed)
     per_rank = [data.micro_batches(budget, ranks, r) for r in range(ranks)]
     assert len({len(b) for b in per_rank}) == 1
     orig_seen, pair_seen = set(), set()
@@ -207,24 +210,30 @@ def test_skill_context_batches_pair_every_skill_token_with_its_original_token(se
 
 
 def test_skill_contexts_follow_subset_and_bad_ones_are_named():
-    seqs, resp, skills, data = _skill_data(5)
+    seqs, resp, skills, data, sections = _skill_data(5)
     idx = [4, 0, 9]
     sub = data.subset(idx)
     want = TrainData.from_sequences([seqs[i] for i in idx], [resp[i] for i in idx],
-                                    skill_contexts=[skills[i] for i in idx],
+                                    skills=[sections[i] for i in idx],
                                     old_logprobs=sub.values["old_logprobs"], advantages=sub.values["advantages"])
-    for k in ("tokens", "seq_offsets", "resp_lens", "skill_tokens", "skill_offsets", "skill_sample_offsets"):
+    for k in ("tokens", "seq_offsets", "resp_lens", "skill_offsets", "insert_at", "section_offsets",
+              "section_tokens"):
         assert np.array_equal(getattr(sub, k), getattr(want, k)), k
+    ctx = sub.contexts()  # the subset's contexts are those of its samples, built from the insertion points
+    got = [ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist() for c in range(ctx.num_contexts)]
+    assert got == [c for i in idx for c in [seqs[i], *skills[i]]]
     z = np.zeros(3, np.float32)
-    with pytest.raises(ValueError, match="does not end with the sample's response"):
-        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[[7, 2, 3, 5]]], old_logprobs=z, advantages=z)
-    with pytest.raises(ValueError, match="not more than the sample's 3-token response"):
-        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[[2, 3, 4]]], old_logprobs=z, advantages=z)
-    with pytest.raises(ValueError, match="skill_contexts has 2 entries for 1 samples"):
-        TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[], []], old_logprobs=z, advantages=z)
+    with pytest.raises(ValueError, match=r"insert_at\[0\]=2 lies outside the prompt of sample 0 \(0..1\)"):
+        TrainData.from_sequences([[1, 2, 3, 4]], [3], skills=[{"step": (2, [7])}], old_logprobs=z, advantages=z)
+    with pytest.raises(ValueError, match="skills has 2 entries for 1 samples"):
+        TrainData.from_sequences([[1, 2, 3, 4]], [3], skills=[{}, {}], old_logprobs=z, advantages=z)
     with pytest.raises(ValueError, match="together"):
         TrainData(np.array([1, 2, 3, 4]), np.array([0, 4]), np.array([3]), dict(old_logprobs=z, advantages=z),
-                  skill_tokens=np.array([1, 2, 3, 4]))
+                  skill_offsets=np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"section_offsets\[-1\]=3 must equal the number of section tokens \(2\)"):
+        TrainData(np.array([1, 2, 3, 4]), np.array([0, 4]), np.array([3]), dict(old_logprobs=z, advantages=z),
+                  skill_offsets=np.array([0, 1]), insert_at=np.array([1]), section_offsets=np.array([0, 3]),
+                  section_tokens=np.array([5, 6]))
     # no sample with a skill context: the plain layout (no pairs) as before
-    plain = TrainData.from_sequences([[1, 2, 3, 4]], [3], skill_contexts=[[]], old_logprobs=z, advantages=z)
+    plain = TrainData.from_sequences([[1, 2, 3, 4]], [3], skills=[{}], old_logprobs=z, advantages=z)
     assert not plain.has_skills and plain.micro_batches(64)[0].pairs is None

@@ -105,11 +105,22 @@ def test_skill_contexts_are_routed_fitted_and_audited_once(mode, placement):
     assert [(r["sample_id"], r["kind"], r["skill"]) for r in logged] == want_log
     assert all(r["stage"] == "scoring" and r["placement"] == placement for r in logged)
     # the scorer's requests and the distillation teacher's contexts are views of the same columns
-    for i, (req, ctx) in enumerate(zip(exp.score_requests(), exp.skill_context_tokens())):
+    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.scoring.scorer import context_batch
+
+    teacher = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens,
+                        dict(old_logprobs=np.zeros(int(exp.resp_lens.sum())),
+                             advantages=np.zeros(int(exp.resp_lens.sum()))), **exp.skill_columns()).contexts()
+    scored, _ = context_batch(exp.score_requests())
+    for ctx in (teacher, scored):
+        got = [ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist() for c in range(ctx.num_contexts)]
+        assert got == [c for i, s in enumerate(exp.steps)
+                       for c in [s.prompt_ids + s.response_ids,
+                                 *(s.prompt_ids[:at] + sec + s.prompt_ids[at:] + s.response_ids
+                                   for _, (at, sec) in sorted(want[i].items()))]]
+    for i, req in enumerate(exp.score_requests()):
         s = exp.steps[i]
         assert req.prompt_ids == s.prompt_ids and req.response_ids == s.response_ids and req.skills == want[i]
-        assert ctx == [s.prompt_ids[:at] + sec + s.prompt_ids[at:] + s.response_ids
-                       for _, (at, sec) in sorted(want[i].items())]
 
 
 def test_scores_fill_columns_and_the_policy_view_matches_the_sequences():
