@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
     from opid_mega.megatron import checkpoint, parallel
     from opid_mega.megatron.layout import layout_error
-    from opid_mega.megatron.logprobs import forward_step, pack, greedy_micro_batches
+    from opid_mega.megatron.logprobs import forward_step, plain_batches
     from opid_mega.megatron.megatron_lm import config_from_args
     from opid_mega.megatron.provider import make_model_provider
     from opid_mega.megatron.train_step import LossConfig, ReferenceWeights, ppo_loss_func
@@ -196,8 +196,8 @@ def main(argv=None) -> int:
     for it in range(1, args.train_iters + 1):
         gen = torch.Generator().manual_seed(args.seed * 1000 + it * 16 + dp_rank)  # same data on TP/PP peers
         samples, delta_abs = synthetic_rollouts(args, chunks, reference, gen)
-        plan = greedy_micro_batches([len(s.tokens) for s in samples], args.micro_batch_tokens)
-        batches, seq = schedule_inputs([pack([samples[i] for i in mb]) for mb in plan], model, tc.sequence_parallel)
+        batches, seq = schedule_inputs(plain_batches(samples, args.micro_batch_tokens).batches, model,
+                                       tc.sequence_parallel)
 
         for m in model:  # Megatron-LM's train_step
             m.train()

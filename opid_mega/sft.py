@@ -166,14 +166,13 @@ def nll_loss_func(batch, output):
 
 
 def sft_step(policy, samples: list) -> float:
-    from opid_mega.megatron.logprobs import forward_step, pack, greedy_micro_batches, run_schedule
+    from opid_mega.megatron.logprobs import forward_step, plain_batches, run_schedule
 
     for c in policy.ddp:
         c.train()
         c.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    plan = greedy_micro_batches([len(s.tokens) for s in samples], policy.cfg.train.micro_batch_tokens)
-    outs = run_schedule(policy.ddp, [pack([samples[i] for i in mb]) for mb in plan],
+    outs = run_schedule(policy.ddp, plain_batches(samples, policy.cfg.train.micro_batch_tokens).batches,
                         partial(forward_step, loss_func=nll_loss_func), forward_only=False)
     policy.optimizer.step()
     tot = sum(d["nll"] for d in outs)

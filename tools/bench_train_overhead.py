@@ -1,11 +1,14 @@
-"""Benchmark: the trainer's CPU-side work between scoring and the PPO forward, before and after the C++ builder.
+"""Benchmark: the trainer's CPU-side work between scoring and the PPO forward, per-sample objects vs flat arrays.
 
 One iteration at the ALFWorld shape (16 tasks x 8 trajectories x 30 steps = 3840 step-samples, prompts 1-2k
 tokens, responses 50-300, half of the step-samples with a skill context; configs/qwen2.5-7b_alfworld.yaml: mini-batches
 of 256 step-samples, micro-batches of 8192 tokens), on data-parallel rank 0 of `--dp` ranks:
-  before  (the trainer up to commit 8d364b7) advantages in torch over padded [S, R] tensors, one `Sample` per
-          step-sample with its values as Python lists, and per mini-batch the strided DP share packed by
-          `greedy_micro_batches` + `pack` (per-token Python lists)
+  before  the trainer's data path up to commit 8d364b7: advantages in torch over padded [S, R] tensors, one `Sample`
+          per step-sample with its values as Python lists, and per mini-batch the strided DP share packed from those
+          Samples (`train_mini_batch`'s Samples path). That packing was `greedy_micro_batches` + `pack` (per-token
+          Python lists, the "before" of docs/performance.md); `pack` is gone, so it is now
+          `opid_mega.megatron.logprobs.plain_batches` (the C++ builder) and this arm measures the Python objects
+          around it, not the old packer.
   after   `compute_advantages` (the batch builder's outcome/token advantages on flat arrays), one `TrainData`, and
           per mini-batch `TrainData.subset(...).micro_batches(...)` (the C++ builder: token-budget packing balanced
           over DP ranks)
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from opid_mega import algo  # noqa: E402
 from opid_mega.config import load_config  # noqa: E402
-from opid_mega.megatron.logprobs import Sample, empty_batch, pack, greedy_micro_batches  # noqa: E402
+from opid_mega.megatron.logprobs import Sample, plain_batches  # noqa: E402
 from opid_mega.megatron.train_batches import TrainData  # noqa: E402
 from opid_mega.scoring.scorer import ScoreResult  # noqa: E402
 from opid_mega.experience import compute_advantages  # noqa: E402
@@ -100,8 +103,7 @@ def before(cfg, it, dp):
     out = []
     for start in range(0, len(order), cfg.train.mini_batch_size):
         part = [samples[i] for i in order[start:start + cfg.train.mini_batch_size]][0::dp]  # rank 0's share
-        plan = greedy_micro_batches([len(s.tokens) for s in part], cfg.train.micro_batch_tokens)
-        out.append([pack([part[i] for i in mb]) for mb in plan] or [empty_batch()])
+        out.append(plain_batches(part, cfg.train.micro_batch_tokens).batches)
     return out
 
 

@@ -11,13 +11,19 @@ detail").
 
 :func:`forward_step` and :func:`logprob_loss_func` are plain megatron-core schedule callbacks: hand them to
 ``get_forward_backward_func()`` with ``forward_only=True``.
+
+Sequences (:class:`Sample`, or flat token arrays) become micro-batches through :func:`plain_batches`: the C++ batch
+builder's plain layout (``opid_mega.batching.build_train_batches``: token-budget packing, largest sequence first,
+balanced over data-parallel ranks), with :meth:`PlainBatches.unpack` bringing scored values back into sample order.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -87,35 +93,6 @@ class PackedBatch:
                            {k: mv(v) for k, v in self.extras.items()}, mv(self.pairs))
 
 
-def pack(samples: Sequence[Sample]) -> PackedBatch:
-    """Pack samples into one row; the log-prob of token j is read from hidden row j-1 of its sequence."""
-    if not samples:
-        raise ValueError("pack: no samples")
-    ids, pos, rows, tgts, cu, per = [], [], [], [], [0], []
-    extras = {k: [] for k in ("old_logprobs", "advantages", "ref_logprobs", "loss_mask")}
-    for s in samples:
-        off = cu[-1]
-        ids.extend(int(t) for t in s.tokens)
-        pos.extend(range(len(s.tokens)))
-        rows.extend(off + j - 1 for j in range(s.score_from, len(s.tokens)))
-        tgts.extend(int(t) for t in s.tokens[s.score_from:])
-        cu.append(off + len(s.tokens))
-        per.append(s.n_scored)
-        for k in extras:
-            v = getattr(s, k)
-            if v is None:
-                v = [1.0] * s.n_scored if k == "loss_mask" else None
-            if v is not None and len(v) != s.n_scored:
-                raise ValueError(f"{k} has {len(v)} values, the sample scores {s.n_scored} tokens")
-            extras[k] = None if v is None or extras[k] is None else extras[k] + list(v)
-    return PackedBatch(
-        input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([pos], dtype=torch.long),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32), score_rows=torch.tensor(rows, dtype=torch.long),
-        score_targets=torch.tensor(tgts, dtype=torch.long), scored_per_seq=per,
-        extras={k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items() if v is not None},
-    )
-
-
 def empty_batch() -> PackedBatch:
     """A one-token micro-batch that scores nothing (pads schedules that need a minimum micro-batch count)."""
     e = torch.zeros(0, dtype=torch.long)
@@ -123,6 +100,164 @@ def empty_batch() -> PackedBatch:
                        torch.tensor([0, 1], dtype=torch.int32), e, e, [],
                        extras={k: torch.zeros(0) for k in ("old_logprobs", "advantages", "ref_logprobs",
                                                             "loss_mask")})
+
+
+# per scored token values a plain micro-batch can carry (PackedBatch.extras); loss_mask defaults to ones
+VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "loss_mask")
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    out = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + lens[i]) over i (int64), vectorised."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - _offsets(lens)[:-1], lens) + np.arange(total, dtype=np.int64)
+
+
+@dataclass
+class PlainBatches:
+    """One rank's plain-layout micro-batches (:func:`plain_batches`) and where its samples' scored values land.
+
+    ``batches``: this rank's micro-batches, in schedule order (an empty one is :func:`empty_batch`). ``samples``:
+    int64, the indices (ascending) of the input samples this rank scores (all of them with one rank).
+    ``resp_lens``: int64, their scored-token counts. ``gather_index``: int64 [sum resp_lens]: for each scored token
+    of ``samples`` in sample order, its position among this rank's gathered values (the batches' scored rows
+    concatenated in batch order: the order of ``score_rows`` and ``extras``, of the loss function's outputs)."""
+
+    batches: list
+    samples: np.ndarray
+    resp_lens: np.ndarray
+    gather_index: np.ndarray
+
+    def unpack(self, gathered) -> list:
+        """Gathered values back in sample order: one tensor per sample of ``samples`` (``resp_lens`` values each).
+
+        ``gathered``: one flat tensor over this rank's batches (batch order), or a list of tensors that concatenate
+        to it (one per batch, or ``logprob_loss_func``'s per-sequence pieces, padding batches included: they are
+        empty)."""
+        if isinstance(gathered, (list, tuple)):
+            flat = torch.cat([torch.as_tensor(x).reshape(-1) for x in gathered]) if gathered else torch.zeros(0)
+        else:
+            flat = torch.as_tensor(gathered).reshape(-1)
+        if flat.numel() != self.gather_index.size:
+            raise ValueError(f"unpack: got {flat.numel()} gathered values, the batches score {self.gather_index.size}")
+        idx = torch.from_numpy(self.gather_index).to(flat.device)
+        return list(flat[idx].split(self.resp_lens.tolist()))
+
+    def gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`unpack`: per-token values of ``samples`` in sample order (flat, [..., sum
+        resp_lens]) in this rank's gathered order (last dimension; differentiable)."""
+        values = torch.as_tensor(values)
+        if values.shape[-1] != self.gather_index.size:
+            raise ValueError(f"gathered: got {values.shape[-1]} values, the samples score {self.gather_index.size}")
+        perm = np.empty_like(self.gather_index)
+        perm[self.gather_index] = np.arange(self.gather_index.size, dtype=np.int64)
+        return values[..., torch.from_numpy(perm).to(values.device)]
+
+
+def _sample_arrays(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """(tokens int32, seq_offsets int64, resp_lens int64, values) of Samples; a value key is there when every
+    sample has it (loss_mask: ones where a sample has none), as float32 [sum resp_lens] in sample order."""
+    lens = np.fromiter((len(s.tokens) for s in samples), np.int64, count=len(samples))
+    tokens = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64, count=int(lens.sum()))
+    resp = np.fromiter((s.n_scored for s in samples), np.int64, count=len(samples))
+    values = {}
+    for k in VALUE_KEYS:
+        vals = [getattr(s, k) for s in samples]
+        for s, v in zip(samples, vals):
+            if v is not None and len(v) != s.n_scored:
+                raise ValueError(f"{k} has {len(v)} values, the sample scores {s.n_scored} tokens")
+        if k == "loss_mask":
+            vals = [np.ones(s.n_scored, np.float32) if v is None else v for s, v in zip(samples, vals)]
+        elif any(v is None for v in vals):
+            continue
+        values[k] = np.fromiter(itertools.chain.from_iterable(vals), np.float32, count=int(resp.sum()))
+    return _int32_tokens(tokens), _offsets(lens), resp, values
+
+
+def _int32_tokens(tokens: np.ndarray) -> np.ndarray:
+    if tokens.dtype != np.int32 and tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must lie in [0, 2^31)")
+    return np.ascontiguousarray(tokens, np.int32)
+
+
+def plain_batches(samples, budget: int, num_ranks: int = 1, rank: int = 0, values: Optional[dict] = None,
+                  backend: Optional[str] = None) -> PlainBatches:
+    """Sequences packed into plain-layout micro-batches of at most ``budget`` tokens by the batch builder
+    (``opid_mega.batching.build_train_batches``: largest first onto the least-loaded micro-batch, balanced over
+    ``num_ranks`` data-parallel ranks, the same number of micro-batches on every rank); ``rank``'s share as a
+    :class:`PlainBatches`. A sequence longer than ``budget`` raises the budget to the longest sequence (as
+    ``TrainData.micro_batches`` does): micro-batches hold at most max(budget, longest sequence) tokens, and the
+    longest sequence, when over the budget, fills one alone.
+
+    ``samples``: a sequence of :class:`Sample`, or the arrays ``(tokens, seq_offsets, resp_lens)`` (int tokens of
+    every sequence concatenated, [S+1] offsets, [S] scored tokens: the last ``resp_lens[s]`` of sequence s, at least
+    one token before them). ``values``: per scored token values for ``PackedBatch.extras`` keyed by
+    ``VALUE_KEYS``, float32 [sum resp_lens] in sample order; None: for Samples their fields (a key is there when
+    every sample has it), for arrays none. ``loss_mask`` is ones unless given. ``backend``: the builder's
+    (None: ``opid_mega._C`` when built)."""
+    from opid_mega.batching import build_train_batches
+
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} is not in [0, {num_ranks})")
+    if int(budget) < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if isinstance(samples, tuple) and len(samples) == 3 and not isinstance(samples[0], Sample):
+        tokens, seq_offsets, resp_lens = (np.asarray(x.numpy() if torch.is_tensor(x) else x) for x in samples)
+        tokens = _int32_tokens(tokens)
+        seq_offsets, resp_lens = (np.ascontiguousarray(x, np.int64) for x in (seq_offsets, resp_lens))
+        given = {}
+    else:
+        tokens, seq_offsets, resp_lens, given = _sample_arrays(samples)
+    if values is not None:
+        given = {}
+        for k, v in values.items():
+            if k not in VALUE_KEYS:
+                raise ValueError(f"unknown value {k!r}; allowed: {', '.join(VALUE_KEYS)}")
+            if v is not None:
+                given[k] = np.ascontiguousarray(v.numpy() if torch.is_tensor(v) else v, np.float32)
+    total = int(resp_lens.sum())
+    for k, v in given.items():
+        if v.shape != (total,):
+            raise ValueError(f"{k} has shape {v.shape}, expected ({total},) (one value per scored token)")
+    given.setdefault("loss_mask", np.ones(total, np.float32))
+    n = int(resp_lens.size)
+    if n == 0:
+        return PlainBatches([empty_batch()], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    budget = max(int(budget), int(np.diff(seq_offsets).max()))
+    pb = build_train_batches(tokens, seq_offsets, resp_lens, budget, num_ranks, backend=backend)
+    f = pb.flat
+    per_rank = pb.micro_batches_per_rank
+    start = f["ctx_gather_start"]
+    # every scored token's place among all gathered rows (sample s's tokens start at ctx_gather_start[s])
+    pos = _ranges(start, resp_lens)
+    gathered = {}
+    for k, v in given.items():
+        g = np.empty_like(v)
+        g[pos] = v
+        gathered[k] = torch.from_numpy(g)
+    order = np.lexsort((start, f["ctx_micro_batch"]))  # samples by micro-batch, then by their gathered rows
+    per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=num_ranks * per_rank))
+    out = []
+    for mb in pb.micro_batches(rank):
+        k = rank * per_rank + mb.index
+        if mb.num_tokens == 0:
+            out.append(empty_batch())
+            continue
+        m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
+        b = PackedBatch.from_micro_batch(mb)
+        b.scored_per_seq = resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist()
+        b.extras = {key: g[m0:m1] for key, g in gathered.items()}
+        out.append(b)
+    mine = np.flatnonzero(f["ctx_micro_batch"] // per_rank == rank)
+    base = int(f["mb_gather_offsets"][rank * per_rank])
+    return PlainBatches(out, mine, resp_lens[mine], _ranges(start[mine] - base, resp_lens[mine]))
 
 
 def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
@@ -140,8 +275,9 @@ def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
 
 
 def greedy_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, order-preserving packing of sequences into micro-batches of at most ``max_tokens`` tokens
-    (a longer sequence gets a micro-batch of its own)."""
+    """Greedy, order-preserving split of sequences into consecutive groups of at most ``max_tokens`` tokens (a longer
+    sequence gets a group of its own). A planner only: ``train_step.mini_batches`` splits a rollout into optimizer
+    steps with it; micro-batches are packed by :func:`plain_batches`."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     out, cur, used = [], [], 0
@@ -219,16 +355,18 @@ def run_schedule(chunks, batches: list[PackedBatch], forward_step_func, forward_
 def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, return_entropy: bool = False,
                      batches: Optional[list[PackedBatch]] = None, temperature: float = 1.0, topk: int = 0):
     """Log-probs (and entropies) of ``tokens[score_from:]`` for each sample, on every rank of the model-parallel
-    group (broadcast from the last pipeline stage). Returns a list of float32 tensors (or two lists).
+    group (broadcast from the last pipeline stage). Returns a list of float32 tensors (or two lists) in the samples'
+    order; the samples are packed by :func:`plain_batches` into micro-batches of at most ``max_tokens`` tokens.
     Pre-built ``batches`` (e.g. fork-layout batches) may be given instead of samples. ``temperature``: of
     softmax(logits / temperature), the sampling temperature of the rollout (1.0: the plain softmax).
     Batches with row ``pairs`` (all or none of them): the result is ``(log-probs, divergences)`` (or
     ``(log-probs, entropies, divergences)``), one divergence dict per batch (``topk``: of the skill side)."""
     for c in chunks:
         c.eval()
+    plain = None
     if batches is None:
-        plan = greedy_micro_batches([len(s.tokens) for s in samples], max_tokens)
-        batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]
+        plain = plain_batches(samples, max_tokens)
+        batches = plain.batches
     with_pairs = {b.pairs is not None for b in batches}
     if len(with_pairs) > 1:
         raise ValueError("compute_logprobs: either every batch has row pairs or none has")
@@ -245,6 +383,9 @@ def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, 
         group = parallel_state.get_pipeline_model_parallel_group()
         src = dist.get_process_group_ranks(group)[-1]
         dist.broadcast_object_list(result, src=src, group=group)
+    if plain is not None:  # the builder reorders samples (largest first): back into sample order
+        result[0] = plain.unpack(result[0])
+        result[1] = plain.unpack(result[1]) if return_entropy else []
     head = (result[0], result[1]) if return_entropy else (result[0],)
     if True in with_pairs:
         return (*head, result[2])

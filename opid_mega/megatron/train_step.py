@@ -25,8 +25,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss, reference_micro_weights
-from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, empty_batch, forward_step, pack,
-                                        greedy_micro_batches, run_schedule, split_output)
+from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, forward_step, greedy_micro_batches,
+                                        plain_batches, run_schedule, split_output)
 
 
 @dataclass
@@ -230,16 +230,17 @@ def _broadcast_from_last_stage(obj):
 
 def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tokens: int,
                      cfg: LossConfig = LossConfig(), batches: Optional[list[PackedBatch]] = None) -> dict[str, float]:
-    """One optimizer step on this rank's share of a mini-batch: its ``samples`` packed by ``micro_tokens``, or the
-    micro-batches given as ``batches`` (the trainer's: `opid_mega.megatron.train_batches.TrainData.micro_batches`,
-    packed by the C++ builder; ``samples`` is then ignored)."""
+    """One optimizer step on this rank's share of a mini-batch: its ``samples`` packed into micro-batches of at most
+    ``micro_tokens`` tokens (:func:`~opid_mega.megatron.logprobs.plain_batches`, the batch builder; their
+    old_logprobs / advantages / ref_logprobs / loss_mask fields ride along), or the micro-batches given as
+    ``batches`` (the trainer's: `opid_mega.megatron.train_batches.TrainData.micro_batches`; ``samples`` is then
+    ignored)."""
     for c in ddp_chunks:
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
     if batches is None:
-        plan = greedy_micro_batches([len(s.tokens) for s in samples], micro_tokens)
-        batches = [pack([samples[i] for i in mb]) for mb in plan] or [empty_batch()]  # a DP rank with no samples
+        batches = plain_batches(samples, micro_tokens).batches  # a DP rank with no samples: one empty batch
     step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg),
                    temperature=cfg.temperature)
     outs = run_schedule(ddp_chunks, batches, step, forward_only=False)
@@ -250,7 +251,9 @@ def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tok
 
 
 def mini_batches(samples: Sequence[Sample], mini_batch_tokens: int) -> list[list[Sample]]:
-    """Split a rollout batch into mini-batches (one optimizer step each) of about ``mini_batch_tokens`` tokens."""
+    """Split a rollout batch into mini-batches (one optimizer step each) of about ``mini_batch_tokens`` tokens:
+    consecutive samples, in order (a plan, not a packing: each mini-batch's micro-batches come from
+    :func:`train_mini_batch`)."""
     return [[samples[i] for i in mb] for mb in greedy_micro_batches([len(s.tokens) for s in samples],
                                                                    mini_batch_tokens)]
 

@@ -74,14 +74,13 @@ def _build(spec, model, sp, dist_opt=False, overlap=False, pp=1, vpp=None):
 
 def _grads(ddp, samples, micro_tokens, loss_cfg):
     """Local gradients (main_grad after megatron's finalize_model_grads) of one mini-batch, no optimizer step."""
-    from opid_mega.megatron.logprobs import forward_step, pack, greedy_micro_batches, run_schedule
+    from opid_mega.megatron.logprobs import forward_step, plain_batches, run_schedule
     from opid_mega.megatron.train_step import ppo_loss_func
 
     for c in ddp:
         c.train()
         c.zero_grad_buffer()
-    plan = greedy_micro_batches([len(s.tokens) for s in samples], micro_tokens)
-    batches = [pack([samples[i] for i in mb]) for mb in plan]
+    batches = plain_batches(samples, micro_tokens).batches
     step = partial(forward_step, return_entropy=True, loss_func=partial(ppo_loss_func, cfg=loss_cfg))
     run_schedule(ddp, batches, step, forward_only=False)
     return {f"{i}.{n}": p.main_grad.detach().clone() for i, c in enumerate(ddp) for n, p in c.module.named_parameters()}

@@ -38,25 +38,111 @@ def test_greedy_micro_batches_respect_budget_and_order():
         greedy_micro_batches([1], 0)
 
 
-def test_pack_rows_targets_positions_and_padding():
-    from opid_mega.megatron.logprobs import Sample, empty_batch, pack, pad_batch
+def test_plain_batches_rows_values_sample_order_and_padding():
+    """plain_batches (the batch builder's plain layout): rows, targets and positions of each packed sequence, the
+    Samples' values scattered to their rows (a key only when every sample has it; loss_mask ones by default), and
+    unpack / gathered between the gathered order (largest first over micro-batches) and the samples' order."""
+    import numpy as np
 
-    b = pack([Sample([5, 6, 7, 8], 2, advantages=[1.0, 2.0], old_logprobs=[0.1, 0.2]), Sample([9, 10], 1)])
-    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
-    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
-    assert b.cu_seqlens.tolist() == [0, 4, 6]
-    assert b.score_rows.tolist() == [1, 2, 4] and b.score_targets.tolist() == [7, 8, 10]
-    assert b.scored_per_seq == [2, 1]
-    assert "advantages" not in b.extras  # the second sample has none
-    assert b.extras["loss_mask"].tolist() == [1.0, 1.0, 1.0]
+    from opid_mega.megatron.logprobs import Sample, empty_batch, pad_batch, plain_batches
+
+    pb = plain_batches([Sample([9, 10], 1, advantages=[3.0], old_logprobs=[0.3], loss_mask=[0.0]),
+                        Sample([5, 6, 7, 8], 2, advantages=[1.0, 2.0], old_logprobs=[0.1, 0.2])], 64)
+    (b,) = pb.batches
+    assert b.input_ids.tolist() == [[9, 10, 5, 6, 7, 8]]
+    assert b.position_ids.tolist() == [[0, 1, 0, 1, 2, 3]]
+    assert b.cu_seqlens.tolist() == [0, 2, 6] and b.branch_ids is None
+    assert b.score_rows.tolist() == [0, 3, 4] and b.score_targets.tolist() == [10, 7, 8]
+    assert b.scored_per_seq == [1, 2]
+    assert b.extras["advantages"].tolist() == [3.0, 1.0, 2.0]
+    assert torch.allclose(b.extras["old_logprobs"], torch.tensor([0.3, 0.1, 0.2]))
+    assert b.extras["loss_mask"].tolist() == [0.0, 1.0, 1.0]
+    # two micro-batches: the longest sequence goes first, so unpack puts the gathered values back in sample order
+    pb = plain_batches([Sample([9, 10], 1, advantages=[3.0]), Sample([5, 6, 7, 8], 2, advantages=[1.0, 2.0]),
+                        Sample([1, 2, 3, 4, 5], 4, advantages=[4.0])], 6)
+    assert [x.input_ids.tolist() for x in pb.batches] == [[[1, 2, 3, 4, 5]], [[9, 10, 5, 6, 7, 8]]]
+    assert [x.extras["advantages"].tolist() for x in pb.batches] == [[4.0], [3.0, 1.0, 2.0]]
+    assert pb.samples.tolist() == [0, 1, 2] and pb.resp_lens.tolist() == [1, 2, 1]
+    assert pb.gather_index.tolist() == [1, 2, 3, 0]
+    assert [t.tolist() for t in pb.unpack([x.score_targets for x in pb.batches])] == [[10], [7, 8], [5]]
+    assert pb.gathered(torch.tensor([10, 7, 8, 5])).tolist() == [5, 10, 7, 8]
+    assert "advantages" not in plain_batches([Sample([5, 6, 7], 1, advantages=[1.0, 2.0]), Sample([9, 10], 1)],
+                                             64).batches[0].extras  # the second sample has none
     p = pad_batch(b, 9)
-    assert p.input_ids.shape == (1, 9) and p.cu_seqlens.tolist() == [0, 4, 6, 9]
-    assert p.position_ids[0, 6:].tolist() == [0, 1, 2] and p.score_rows.tolist() == [1, 2, 4]
+    assert p.input_ids.shape == (1, 9) and p.cu_seqlens.tolist() == [0, 2, 6, 9]
+    assert p.position_ids[0, 6:].tolist() == [0, 1, 2] and p.score_rows.tolist() == [0, 3, 4]
     assert empty_batch().scored_per_seq == []
+    none = plain_batches([], 8)
+    assert len(none.batches) == 1 and none.batches[0].score_rows.numel() == 0 and none.unpack([]) == []
     with pytest.raises(ValueError, match="score_from"):
         Sample([1, 2], 0)
     with pytest.raises(ValueError, match="advantages has 1 values"):
-        pack([Sample([1, 2, 3], 1, advantages=[1.0])])
+        plain_batches([Sample([1, 2, 3], 1, advantages=[1.0])], 8)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        plain_batches([Sample([1, 2, 3], 1)], 0)
+    with pytest.raises(ValueError, match="rank 2"):
+        plain_batches([Sample([1, 2, 3], 1)], 8, 2, 2)
+    with pytest.raises(ValueError, match="unknown value 'x'"):
+        plain_batches([Sample([1, 2, 3], 1)], 8, values={"x": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\), expected \(2,\)"):
+        plain_batches([Sample([1, 2, 3], 1)], 8, values={"advantages": np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_plain_batches_budget_values_and_sample_order(num_ranks):
+    """Random sequences: every micro-batch within the budget (raised to the longest sequence, which then fills one
+    alone), each rank's samples disjoint and all of them scored once, every value on its token's row, and unpack
+    giving each sample's targets back in sample order; the array input gives the same batches as the Samples."""
+    import numpy as np
+
+    from opid_mega.megatron.logprobs import Sample, plain_batches
+
+    g = torch.Generator().manual_seed(9)
+    lens = torch.randint(2, 30, (40,), generator=g).tolist() + [70]  # one sequence longer than the budget
+    samples = []
+    for i, n in enumerate(lens):
+        k = int(torch.randint(1, n + 1, (1,), generator=g))  # n - k = 0 scored tokens happens too
+        t = torch.randint(0, 1000, (n,), generator=g).tolist()
+        samples.append(Sample(t, k, old_logprobs=[float(x) for x in t[k:]], advantages=[float(i)] * (n - k),
+                              loss_mask=[float(j % 2) for j in range(n - k)]))
+    budget, seen = 50, []
+    for rank in range(num_ranks):
+        pb = plain_batches(samples, budget, num_ranks, rank)
+        assert len(pb.batches) == len(plain_batches(samples, budget, num_ranks, 0).batches)  # equal on every rank
+        for b in pb.batches:
+            assert b.input_ids.shape[1] <= 70 and b.cu_seqlens[-1] == b.input_ids.shape[1]
+            assert b.input_ids[0, b.score_rows + 1].tolist() == b.score_targets.tolist()  # row r predicts r + 1
+            assert b.extras["old_logprobs"].tolist() == b.score_targets.float().tolist()
+            assert sum(b.scored_per_seq) == b.score_rows.numel()
+            for seq, adv in enumerate(b.extras["advantages"].split(b.scored_per_seq)):
+                assert adv.numel() == 0 or (adv == adv[0]).all(), seq  # one sample's values stay together
+            if 70 in torch.diff(b.cu_seqlens).tolist():
+                assert b.cu_seqlens.tolist() == [0, 70]  # the long sequence alone
+        assert np.all(np.diff(pb.samples) > 0)
+        targets = pb.unpack([b.score_targets for b in pb.batches])
+        masks = pb.unpack([b.extras["loss_mask"] for b in pb.batches])
+        for i, t, m in zip(pb.samples, targets, masks):
+            s = samples[i]
+            assert t.tolist() == list(s.tokens[s.score_from:]) and m.tolist() == s.loss_mask
+        flat = torch.cat([b.score_targets for b in pb.batches])
+        assert torch.equal(pb.gathered(torch.cat(targets) if targets else flat[:0]), flat)
+        seen.extend(pb.samples.tolist())
+    assert sorted(seen) == list(range(len(samples)))
+    if num_ranks == 1:
+        assert sum(b.input_ids.shape[1] for b in pb.batches) == sum(lens)
+        assert any(b.cu_seqlens.tolist() == [0, 70] for b in pb.batches)
+        assert max(b.input_ids.shape[1] for b in pb.batches) <= 70 and len(pb.batches) > sum(lens) // 70
+    lens_a = np.array(lens)
+    resp = np.array([s.n_scored for s in samples])
+    arrays = plain_batches((np.concatenate([s.tokens for s in samples]), np.concatenate([[0], np.cumsum(lens_a)]),
+                            resp), budget, num_ranks, 0,
+                           values={"advantages": np.concatenate([s.advantages for s in samples])})
+    ref = plain_batches(samples, budget, num_ranks, 0)
+    assert np.array_equal(arrays.gather_index, ref.gather_index)
+    for a, b in zip(arrays.batches, ref.batches):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.score_rows, b.score_rows)
+        assert torch.equal(a.extras["advantages"], b.extras["advantages"]) and "old_logprobs" not in a.extras
+        assert a.extras["loss_mask"].eq(1).all()
 
 
 def test_qkv_merge_split_roundtrip_gqa():
@@ -179,7 +265,7 @@ def test_public_forward_step_and_loss_func_with_megatron_schedule(mp1, tmp_path)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from opid_mega.algo import kl_penalty, ppo_policy_loss
-    from opid_mega.megatron.logprobs import Sample, forward_step, pack
+    from opid_mega.megatron.logprobs import Sample, forward_step, plain_batches
     from opid_mega.megatron.train_step import LossConfig, build_optimizer, ppo_loss_func, wrap_ddp
 
     hf = make_hf_model("qwen2", str(tmp_path), layers=2)
@@ -191,7 +277,8 @@ def test_public_forward_step_and_loss_func_with_megatron_schedule(mp1, tmp_path)
     samples = [Sample(t, k, old_logprobs=(-7 + torch.randn(len(t) - k, generator=g)).tolist(),
                       advantages=torch.randn(len(t) - k, generator=g).tolist(),
                       ref_logprobs=(-7 + torch.randn(len(t) - k, generator=g)).tolist()) for t, k in seqs]
-    batches = [pack(samples[:2]), pack(samples[2:])]
+    batches = plain_batches(samples, 21).batches  # 28 tokens: two micro-batches of <= 21
+    assert len(batches) == 2
     loss_cfg = LossConfig(kl_coef=0.05, entropy_coef=0.0)
     step = partial(forward_step, loss_func=partial(ppo_loss_func, cfg=loss_cfg))
     model[0].zero_grad_buffer()
@@ -286,7 +373,7 @@ def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
     """Summed over micro-batches and divided by the summed counts (megatron's per-token-loss convention), the
     loss equals opid_mega.algo's aggregation over the whole mini-batch, for every loss_agg."""
     from opid_mega.algo import agg_loss, kl_penalty, ppo_policy_loss
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.train_step import LossConfig, ppo_loss_func
 
     g = torch.Generator().manual_seed(5)
@@ -303,8 +390,9 @@ def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
     total, count = 0.0, 0.0
     micro = ([0, 1], [2], [3, 4, 5])  # three micro-batches
     for idx in micro:
-        batch = pack([samples[i] for i in idx])
-        loss, cnt, _ = ppo_loss_func(batch, torch.cat([outs[i] for i in idx], dim=1), cfg)
+        pb = plain_batches([samples[i] for i in idx], 64)  # one micro-batch; outputs in its gathered order
+        (batch,) = pb.batches
+        loss, cnt, _ = ppo_loss_func(batch, pb.gathered(torch.cat([outs[i] for i in idx], dim=1)), cfg)
         total, count = total + loss.item(), count + float(cnt)
     width = max(lens)
     pad = lambda vals: torch.stack([torch.nn.functional.pad(torch.as_tensor(v, dtype=torch.float64), (0, width - len(v)))  # noqa: E731
@@ -319,11 +407,11 @@ def test_ppo_loss_func_aggregations_match_algo_over_micro_batches(agg):
     assert_close_scaled(total / count, want.item(), floor=1.0)  # fp32 vs float64; a mean of O(1) terms: scale >= 1
 
 
-def test_builder_packed_training_step_equals_the_per_sample_pack(mp1, tmp_path):
-    """The trainer's micro-batches (TrainData -> C++ batch builder, token-budget packing) give the same PPO step as
-    the per-sample `pack` path: equal loss metrics and gradients (two fp32 paths: within 1e-5 of each tensor's largest
-    entry) on random sequences and values."""
-    from opid_mega.megatron.logprobs import Sample
+def test_builder_packed_training_step_equals_the_samples_path(mp1, tmp_path):
+    """The trainer's micro-batches (TrainData -> C++ batch builder) give the same PPO step as train_mini_batch's
+    Samples path (plain_batches: values from the Samples' fields) packed by another budget: equal loss metrics and
+    gradients (two fp32 paths: within 1e-5 of each tensor's largest entry) on random sequences and values."""
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.train_batches import TrainData
     from opid_mega.megatron.train_step import LossConfig, build_optimizer, train_mini_batch, wrap_ddp
 
@@ -342,10 +430,10 @@ def test_builder_packed_training_step_equals_the_per_sample_pack(mp1, tmp_path):
     grads = lambda: [p.main_grad.detach().clone() for p in model[0].parameters()]  # noqa: E731
     m_ref = train_mini_batch(model, opt, samples, 40, cfg)
     g_ref = grads()
-    batches = data.micro_batches(40)
-    assert len(batches) > 1 and sorted(n for b in batches for n in b.scored_per_seq) == \
-        sorted(len(t) - p for t, p in seqs)
-    m_new = train_mini_batch(model, opt, [], 40, cfg, batches=batches)
+    batches = data.micro_batches(24)
+    assert len(batches) > len(plain_batches(samples, 40).batches) > 1  # other packings
+    assert sorted(n for b in batches for n in b.scored_per_seq) == sorted(len(t) - p for t, p in seqs)
+    m_new = train_mini_batch(model, opt, [], 24, cfg, batches=batches)
     for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
         assert_close_scaled(m_new[k], m_ref[k], floor=1.0, msg=k)
     for i, (a, b) in enumerate(zip(grads(), g_ref)):
@@ -379,7 +467,7 @@ def test_loss_agg_gradient_through_megatron_equals_the_hand_formula(mp1, tmp_pat
     with l_t = -A_t exp(log p_t - log p_old,t) (ratios kept inside the clip range, so no clip binds). Layouts:
     "packed": one packed micro-batch per sequence; "micro_batch_size": both sequences in ONE packed micro-batch,
     the reference's micro-batches of train.micro_batch_size = 1 step-sample given by the loss weights."""
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.train_batches import TrainData
     from opid_mega.megatron.train_step import (LossConfig, build_optimizer, loss_micro_batches, train_mini_batch,
                                                wrap_ddp)
@@ -396,7 +484,7 @@ def test_loss_agg_gradient_through_megatron_equals_the_hand_formula(mp1, tmp_pat
     samples = [Sample(t, k, old_logprobs=o.tolist(), advantages=a.tolist())
                for (t, k), o, a in zip(((ta, ka), (tb, kb)), old, adv)]
     if layout == "packed":
-        batches = [pack([samples[0]]), pack([samples[1]])]
+        batches = [plain_batches([s], 64).batches[0] for s in samples]
     else:
         data = TrainData.from_sequences([ta, tb], [3, 1], old_logprobs=torch.cat(old).float().numpy(),
                                         advantages=torch.cat(adv).float().numpy())

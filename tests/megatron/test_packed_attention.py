@@ -119,12 +119,12 @@ def test_model_varlen_path_equals_dense_mask_reference(mp1, tmp_path, monkeypatc
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from opid_mega.megatron import attention
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
 
     make_hf_model("qwen3", str(tmp_path), layers=2)
     model = _model(str(tmp_path))
     seqs = random_sequences(11, [(37, 1), (64, 5), (5, 2), (90, 30), (23, 1)])
-    batch = pack([Sample(t, k) for t, k in seqs])
+    (batch,) = plain_batches([Sample(t, k) for t, k in seqs], 219).batches
 
     def no_dense_mask(*a, **k):
         raise AssertionError("the varlen path built a dense mask")
@@ -175,11 +175,13 @@ def test_recompute_none_selective_full_give_equal_gradients(mp1, tmp_path, monke
     backward (it travels as packed_seq_params), so log-probs and gradients equal recompute=none, for a packed batch
     (varlen path) and a fork-layout batch (per-group masks); the recompute really re-runs the attention."""
     from opid_mega.megatron import attention
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.model import recompute_config
 
     make_hf_model("qwen2", str(tmp_path), layers=2)
-    batches = [pack([Sample(t, k) for t, k in random_sequences(12, [(31, 2), (48, 9), (17, 1)])]), _fork_batch()]
+    plain = plain_batches([Sample(t, k) for t, k in random_sequences(12, [(31, 2), (48, 9), (17, 1)])], 96).batches
+    assert len(plain) == 1
+    batches = [plain[0], _fork_batch()]
     calls = {"n": 0}
     forward = attention.PackedCoreAttention.forward
 

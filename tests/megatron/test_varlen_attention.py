@@ -225,7 +225,7 @@ def test_model_through_the_torch_varlen_call(mp1, tmp_path, monkeypatch, api):
     import inspect
 
     from opid_mega.megatron import attention
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
 
     calls = []
     fn = _stand_in_varlen_attn(calls, window=api == "torch_2_11")
@@ -234,7 +234,7 @@ def test_model_through_the_torch_varlen_call(mp1, tmp_path, monkeypatch, api):
     monkeypatch.setattr(attention, "_torch_varlen", lambda: (fn, causal, "scale" in params, "enable_gqa" in params))
     make_hf_model("qwen2", str(tmp_path), layers=2)
     model = _model(str(tmp_path))
-    plain = pack([Sample(t, k) for t, k in random_sequences(4, [(31, 2), (48, 9), (17, 1)])])
+    (plain,) = plain_batches([Sample(t, k) for t, k in random_sequences(4, [(31, 2), (48, 9), (17, 1)])], 96).batches
     for batch in (_fork_batch(5), plain):
         with monkeypatch.context() as m:
             m.setattr(attention, "varlen_backend", lambda q, branches=False, dropout_p=0.0: "torch_varlen")

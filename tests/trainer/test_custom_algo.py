@@ -210,7 +210,7 @@ def test_the_loss_through_ppo_loss_func_by_hand(examples_on_path, agg):
     the count of the aggregation, by hand; the gradient with respect to logp is -A·w."""
     import custom_loss
 
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.train_step import LossConfig, ppo_loss_func
 
     g = torch.Generator().manual_seed(3)
@@ -224,7 +224,8 @@ def test_the_loss_through_ppo_loss_func_by_hand(examples_on_path, agg):
         logps.append([o + 0.1 * float(x) for o, x in zip(old, torch.randn(n, generator=g))])
     logp = torch.tensor([x for lp in logps for x in lp], requires_grad=True)
     cfg = LossConfig(kl_coef=0.0, entropy_coef=0.0, loss_agg=agg, loss_fn=custom_loss.reinforce_loss)
-    loss, count, metrics = ppo_loss_func(pack(samples), torch.stack([logp, torch.zeros_like(logp)]), cfg)
+    pb = plain_batches(samples, 64)  # one micro-batch; the output in its gathered order
+    loss, count, metrics = ppo_loss_func(pb.batches[0], pb.gathered(torch.stack([logp, torch.zeros_like(logp)])), cfg)
     want, want_count, want_grad = 0.0, 0.0, []
     for s, lp in zip(samples, logps):
         w = 1.0 / sum(s.loss_mask) if agg == "seq-mean-token-mean" else 1.0
@@ -240,13 +241,14 @@ def test_the_loss_through_ppo_loss_func_by_hand(examples_on_path, agg):
 
 
 def test_a_loss_that_returns_the_wrong_thing_is_named():
-    from opid_mega.megatron.logprobs import Sample, pack
+    from opid_mega.megatron.logprobs import Sample, plain_batches
     from opid_mega.megatron.train_step import LossConfig, ppo_loss_func
 
     def bare(logp, old_logp, advantages, mask, **kwargs):
         return (-advantages * logp * mask).sum()  # no metrics
 
-    batch = pack([Sample([1, 2, 3, 4], 2, old_logprobs=[-1.0, -2.0], advantages=[0.5, -0.3], loss_mask=[1.0, 1.0])])
+    (batch,) = plain_batches([Sample([1, 2, 3, 4], 2, old_logprobs=[-1.0, -2.0], advantages=[0.5, -0.3],
+                                     loss_mask=[1.0, 1.0])], 64).batches
     with pytest.raises(ValueError) as e:
         ppo_loss_func(batch, torch.tensor([[-1.1, -1.9], [0.0, 0.0]]), LossConfig(kl_coef=0.0, entropy_coef=0.0,
                                                                                    loss_fn=bare))
