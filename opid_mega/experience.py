@@ -19,7 +19,7 @@ Columns (S step-samples in trajectory order, R = Σ response tokens, C = skill c
     invalid                  bool [S]      the response broke the answer format
     engine_logprobs          float64 [R]   what the rollout engine reported while sampling
     policy_version           int64 [S]     the weight version the sample was drawn with
-    skill_offsets            int64 [S+1]   CSR of the skill contexts per sample (routing order)
+    skill_offsets            int64 [S+1]   CSR of the skill contexts per sample (kind order: episode, step)
     skill_kinds              list [C]      "episode" / "step"
     skill_insert_at          int64 [C]     token index in the prompt where the section goes
     section_offsets, section_tokens        CSR of each context's section token ids
@@ -42,16 +42,11 @@ import numpy as np
 import torch
 
 from opid_mega import algo
+from opid_mega.batching.layout import csr_offsets
 from opid_mega.scoring.scorer import ScoreRequest
 from opid_mega.skills.injection import anchor, inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
-
-
-def _offsets(lens) -> np.ndarray:
-    out = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(np.asarray(lens, np.int64), out=out[1:])
-    return out
 
 
 def _cat_int32(seqs) -> np.ndarray:
@@ -112,7 +107,7 @@ class Experience:
             traj_index=np.fromiter((ti for ti, _, _ in rows), np.int64, count=S),
             step_index=np.fromiter((si for _, si, _ in rows), np.int64, count=S),
             tokens=_cat_int32(list(s.prompt_ids) + list(s.response_ids) for s in steps),
-            seq_offsets=_offsets(plens + rlens), prompt_lens=plens, resp_lens=rlens,
+            seq_offsets=csr_offsets(plens + rlens), prompt_lens=plens, resp_lens=rlens,
             groups=np.fromiter((trajs[ti].group_id for ti, _, _ in rows), np.int64, count=S),
             scores=np.fromiter((trajs[ti].score for ti, _, _ in rows), np.float64, count=S),
             invalid=np.fromiter((not s.valid for s in steps), bool, count=S),
@@ -206,10 +201,10 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
                                            prompt=inject_skills(step.prompt_text, {kind: skill}, algo_cfg.placement),
                                            stage="scoring")
         per_sample.append(n)
-    exp.skill_offsets = _offsets(per_sample)
+    exp.skill_offsets = csr_offsets(per_sample)
     exp.skill_kinds = kinds
     exp.skill_insert_at = np.asarray(at_list, np.int64)
-    exp.section_offsets = _offsets([len(x) for x in sections])
+    exp.section_offsets = csr_offsets([len(x) for x in sections])
     exp.section_tokens = _cat_int32(sections)
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from opid_mega.batching.layout import csr_offsets, csr_ranges
 from opid_mega.megatron.attention import ForkPackedSeqParams, packed_seq_params
 
 
@@ -102,22 +103,9 @@ def empty_batch() -> PackedBatch:
                                                             "loss_mask")})
 
 
-# per scored token values a plain micro-batch can carry (PackedBatch.extras); loss_mask defaults to ones
-VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "loss_mask")
-
-
-def _offsets(lens: np.ndarray) -> np.ndarray:
-    out = np.zeros(lens.size + 1, np.int64)
-    np.cumsum(lens, out=out[1:])
-    return out
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(starts[i], starts[i] + lens[i]) over i (int64), vectorised."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    return np.repeat(starts - _offsets(lens)[:-1], lens) + np.arange(total, dtype=np.int64)
+# per scored token values a plain micro-batch can carry (PackedBatch.extras); loss_mask defaults to ones;
+# loss_weight: optional per-token PPO loss weights (opid_mega.algo.reference_micro_weights)
+VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "loss_weight", "loss_mask")
 
 
 @dataclass
@@ -169,7 +157,7 @@ def _sample_arrays(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray, n
     resp = np.fromiter((s.n_scored for s in samples), np.int64, count=len(samples))
     values = {}
     for k in VALUE_KEYS:
-        vals = [getattr(s, k) for s in samples]
+        vals = [getattr(s, k, None) for s in samples]  # a Sample carries no loss_weight
         for s, v in zip(samples, vals):
             if v is not None and len(v) != s.n_scored:
                 raise ValueError(f"{k} has {len(v)} values, the sample scores {s.n_scored} tokens")
@@ -178,7 +166,7 @@ def _sample_arrays(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray, n
         elif any(v is None for v in vals):
             continue
         values[k] = np.fromiter(itertools.chain.from_iterable(vals), np.float32, count=int(resp.sum()))
-    return _int32_tokens(tokens), _offsets(lens), resp, values
+    return _int32_tokens(tokens), csr_offsets(lens), resp, values
 
 
 def _int32_tokens(tokens: np.ndarray) -> np.ndarray:
@@ -236,28 +224,17 @@ def plain_batches(samples, budget: int, num_ranks: int = 1, rank: int = 0, value
     per_rank = pb.micro_batches_per_rank
     start = f["ctx_gather_start"]
     # every scored token's place among all gathered rows (sample s's tokens start at ctx_gather_start[s])
-    pos = _ranges(start, resp_lens)
+    pos = csr_ranges(start, resp_lens)
     gathered = {}
     for k, v in given.items():
         g = np.empty_like(v)
         g[pos] = v
         gathered[k] = torch.from_numpy(g)
-    order = np.lexsort((start, f["ctx_micro_batch"]))  # samples by micro-batch, then by their gathered rows
-    per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=num_ranks * per_rank))
-    out = []
-    for mb in pb.micro_batches(rank):
-        k = rank * per_rank + mb.index
-        if mb.num_tokens == 0:
-            out.append(empty_batch())
-            continue
-        m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
-        b = PackedBatch.from_micro_batch(mb)
-        b.scored_per_seq = resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist()
-        b.extras = {key: g[m0:m1] for key, g in gathered.items()}
-        out.append(b)
+    out = rank_batches(pb, rank, gathered, resp_lens)
+    per_rank = pb.micro_batches_per_rank
     mine = np.flatnonzero(f["ctx_micro_batch"] // per_rank == rank)
     base = int(f["mb_gather_offsets"][rank * per_rank])
-    return PlainBatches(out, mine, resp_lens[mine], _ranges(start[mine] - base, resp_lens[mine]))
+    return PlainBatches(out, mine, resp_lens[mine], csr_ranges(start[mine] - base, resp_lens[mine]))
 
 
 def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
@@ -390,3 +367,28 @@ def compute_logprobs(chunks, samples: Sequence[Sample], max_tokens: int = 4096, 
     if True in with_pairs:
         return (*head, result[2])
     return head if return_entropy else head[0]
+
+
+def rank_batches(pb, rank: int, gathered: dict, ctx_resp_lens: np.ndarray, per_mb_pairs=None) -> list[PackedBatch]:
+    """``rank``'s micro-batches of the builder output ``pb`` (``opid_mega.batching.PackedBatches``) as PackedBatches:
+    the gathered per-token values (float32 tensors over every micro-batch's gathered rows, rank-major) sliced per
+    micro-batch, each context's scored count in gathered order (``scored_per_seq``), and the row pairs of
+    micro-batch k (``per_mb_pairs[k]``, from ``PackedBatches.pair_positions``) when given. An empty micro-batch is
+    :func:`empty_batch`."""
+    f = pb.flat
+    order = np.lexsort((f["ctx_gather_start"], f["ctx_micro_batch"]))  # contexts by micro-batch, then gathered rows
+    per_mb = csr_offsets(np.bincount(f["ctx_micro_batch"], minlength=pb.num_ranks * pb.micro_batches_per_rank))
+    out = []
+    for mb in pb.micro_batches(rank):
+        k = rank * pb.micro_batches_per_rank + mb.index
+        if mb.num_tokens == 0:
+            out.append(empty_batch())
+            continue
+        m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
+        b = PackedBatch.from_micro_batch(mb)
+        b.scored_per_seq = ctx_resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist()
+        b.extras = {key: g[m0:m1] for key, g in gathered.items()}
+        if per_mb_pairs is not None:
+            b.pairs = torch.from_numpy(np.stack(per_mb_pairs[k]).astype(np.int64))
+        out.append(b)
+    return out

@@ -6,11 +6,10 @@ mini-batch is an index array (:meth:`TrainData.subset`, vectorised gathers); its
 ``opid_mega.batching.build_train_batches`` (``opid_mega._C`` when built, else the numpy reference): token-budget
 packing balanced over the data-parallel ranks (largest first onto the least-loaded micro-batch, the same number of
 micro-batches on every rank). :meth:`TrainData.micro_batches` returns this rank's share as
-:class:`~opid_mega.megatron.logprobs.PackedBatch` es, the per-token values aligned with the gathered rows by one
-scatter through the builder's ``ctx_gather_start``.
-
-A sequence longer than the budget gets a micro-batch of its own (the budget is raised to the longest sequence, as
-the greedy planner of ``opid_mega.megatron.logprobs.greedy_micro_batches`` does).
+:class:`~opid_mega.megatron.logprobs.PackedBatch` es (``opid_mega.megatron.logprobs.plain_batches``, the packing
+every plain-layout caller shares), the per-token values aligned with the gathered rows by one scatter through the
+builder's ``ctx_gather_start``. A sequence longer than the budget gets a micro-batch of its own (the budget is
+raised to the longest sequence).
 
 Distillation (``algo.distill_coef`` > 0): samples may carry skill contexts (the same response after a skill-augmented
 prompt). The micro-batches are then built in the fork layout (``opid_mega.batching.build_fork_batches``: a sample's
@@ -27,24 +26,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from opid_mega.megatron.logprobs import PackedBatch, empty_batch
+from opid_mega.batching.layout import csr_offsets, csr_ranges
+from opid_mega.megatron.logprobs import VALUE_KEYS as LOGPROB_VALUE_KEYS
+from opid_mega.megatron.logprobs import PackedBatch, empty_batch, plain_batches, rank_batches
 
-# loss_weight: optional per-token PPO loss weights (opid_mega.algo.reference_micro_weights)
-VALUE_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "loss_weight")
-
-
-def _offsets(lens: np.ndarray) -> np.ndarray:
-    out = np.zeros(lens.size + 1, np.int64)
-    np.cumsum(lens, out=out[1:])
-    return out
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(starts[i], starts[i] + lens[i]) over i (int64), vectorised."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    return np.repeat(starts - _offsets(lens)[:-1], lens) + np.arange(total, dtype=np.int64)
+# the values TrainData carries (logprobs.VALUE_KEYS but loss_mask, which the layout decides)
+VALUE_KEYS = tuple(k for k in LOGPROB_VALUE_KEYS if k != "loss_mask")
 
 
 @dataclass
@@ -135,10 +122,10 @@ class TrainData:
                 raise ValueError(f"skills has {len(skills)} entries for {len(seqs)} samples")
             sections = [sec for per in skills for _, sec in (per[k] for k in sorted(per))]
             slens = np.fromiter(map(len, sections), np.int64, count=len(sections))
-            cols = dict(skill_offsets=_offsets(np.fromiter(map(len, skills), np.int64, count=len(skills))),
+            cols = dict(skill_offsets=csr_offsets(np.fromiter(map(len, skills), np.int64, count=len(skills))),
                         insert_at=np.array([per[k][0] for per in skills for k in sorted(per)], np.int64),
-                        section_offsets=_offsets(slens), section_tokens=_int32_tokens(sections, slens))
-        return cls(tokens, _offsets(lens), np.asarray(resp_lens, np.int64), values, **cols)
+                        section_offsets=csr_offsets(slens), section_tokens=_int32_tokens(sections, slens))
+        return cls(tokens, csr_offsets(lens), np.asarray(resp_lens, np.int64), values, **cols)
 
     @property
     def num_samples(self) -> int:
@@ -150,42 +137,30 @@ class TrainData:
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_samples):
             raise IndexError(f"sample indices must lie in [0, {self.num_samples})")
         seq_lens = np.diff(self.seq_offsets)[idx]
-        tok = _ranges(self.seq_offsets[idx], seq_lens)
-        val = _ranges(_offsets(self.resp_lens)[idx], self.resp_lens[idx])
+        tok = csr_ranges(self.seq_offsets[idx], seq_lens)
+        val = csr_ranges(csr_offsets(self.resp_lens)[idx], self.resp_lens[idx])
         skills = {}
         if self.skill_offsets is not None:
             per = np.diff(self.skill_offsets)[idx]
-            ctx = _ranges(self.skill_offsets[idx], per)
+            ctx = csr_ranges(self.skill_offsets[idx], per)
             slens = np.diff(self.section_offsets)[ctx]
-            skills = dict(skill_offsets=_offsets(per), insert_at=self.insert_at[ctx], section_offsets=_offsets(slens),
-                          section_tokens=self.section_tokens[_ranges(self.section_offsets[ctx], slens)])
-        return TrainData(self.tokens[tok], _offsets(seq_lens), self.resp_lens[idx],
+            skills = dict(skill_offsets=csr_offsets(per), insert_at=self.insert_at[ctx], section_offsets=csr_offsets(slens),
+                          section_tokens=self.section_tokens[csr_ranges(self.section_offsets[ctx], slens)])
+        return TrainData(self.tokens[tok], csr_offsets(seq_lens), self.resp_lens[idx],
                          {k: v[val] for k, v in self.values.items()}, **skills)
 
     def micro_batches(self, budget: int, num_ranks: int = 1, rank: int = 0,
                       backend: Optional[str] = None) -> list[PackedBatch]:
         """This rank's micro-batches of at most ``budget`` tokens (or the longest sequence), balanced over
         ``num_ranks`` ranks; every rank gets the same number (an empty one is :func:`empty_batch`)."""
-        from opid_mega.batching import build_train_batches
-
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} is not in [0, {num_ranks})")
         if self.num_samples == 0:
             return [empty_batch()]
         if self.has_skills:
             return self._fork_micro_batches(budget, num_ranks, rank, backend)
-        budget = max(int(budget), int(np.diff(self.seq_offsets).max()))
-        pb = build_train_batches(self.tokens, self.seq_offsets, self.resp_lens, budget, num_ranks, backend=backend)
-        f = pb.flat
-        # every response token's place among the gathered rows (sample s's tokens start at ctx_gather_start[s])
-        pos = _ranges(f["ctx_gather_start"], self.resp_lens)
-        gathered = {}
-        for k, v in self.values.items():
-            g = np.empty_like(v)
-            g[pos] = v
-            gathered[k] = torch.from_numpy(g)
-        gathered["loss_mask"] = torch.ones(int(f["gather_rows"].size), dtype=torch.float32)
-        return _rank_batches(pb, rank, gathered, self.resp_lens)
+        return plain_batches((self.tokens, self.seq_offsets, self.resp_lens), budget, num_ranks, rank,
+                             values=self.values, backend=backend).batches
 
     def _fork_micro_batches(self, budget: int, num_ranks: int, rank: int, backend: Optional[str]) -> list[PackedBatch]:
         """Fork-layout micro-batches: per sample its original context, then its skill contexts (module docstring)."""
@@ -201,7 +176,7 @@ class TrainData:
         need = int(np.add.reduceat(lens, sample_offsets[:-1]).max())  # a sample never leaves its micro-batch
         pb = build_fork_batches(ctx, max(int(budget), need), num_ranks, backend=backend)
         f = pb.flat
-        pos = _ranges(f["ctx_gather_start"][orig_ctx], self.resp_lens)  # the original contexts' gathered rows
+        pos = csr_ranges(f["ctx_gather_start"][orig_ctx], self.resp_lens)  # the original contexts' gathered rows
         m_total = int(f["gather_rows"].size)
         gathered = {}
         for k, v in list(self.values.items()) + [("loss_mask", np.ones(int(self.resp_lens.sum()), np.float32))]:
@@ -210,30 +185,7 @@ class TrainData:
             gathered[k] = torch.from_numpy(g)
         pairs = np.stack([np.flatnonzero(~is_orig), sample_offsets[:-1][owner[~is_orig]]], axis=1)
         per_mb_pairs, _ = pb.pair_positions(pairs)
-        return _rank_batches(pb, rank, gathered, ctx.resp_lens, per_mb_pairs)
-
-
-def _rank_batches(pb, rank: int, gathered: dict, ctx_resp_lens: np.ndarray, per_mb_pairs=None) -> list[PackedBatch]:
-    """`rank`'s micro-batches of the builder output `pb` as PackedBatches: the gathered per-token values sliced per
-    micro-batch, each context's scored count in gathered order (`scored_per_seq`, token_weights' split), and the row
-    pairs of micro-batch k (`per_mb_pairs[k]`, from `PackedBatches.pair_positions`) when given."""
-    f = pb.flat
-    order = np.lexsort((f["ctx_gather_start"], f["ctx_micro_batch"]))
-    per_mb = _offsets(np.bincount(f["ctx_micro_batch"], minlength=pb.num_ranks * pb.micro_batches_per_rank))
-    out = []
-    for mb in pb.micro_batches(rank):
-        k = rank * pb.micro_batches_per_rank + mb.index
-        if mb.num_tokens == 0:
-            out.append(empty_batch())
-            continue
-        m0, m1 = int(f["mb_gather_offsets"][k]), int(f["mb_gather_offsets"][k + 1])
-        b = PackedBatch.from_micro_batch(mb)
-        b.scored_per_seq = ctx_resp_lens[order[per_mb[k]:per_mb[k + 1]]].tolist()
-        b.extras = {key: g[m0:m1] for key, g in gathered.items()}
-        if per_mb_pairs is not None:
-            b.pairs = torch.from_numpy(np.stack(per_mb_pairs[k]).astype(np.int64))
-        out.append(b)
-    return out
+        return rank_batches(pb, rank, gathered, ctx.resp_lens, per_mb_pairs)
 
 
 def _int32_tokens(seqs, lens: np.ndarray) -> np.ndarray:

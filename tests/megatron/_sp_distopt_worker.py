@@ -101,7 +101,7 @@ def _distill_grads(ddp, seqs, lps, micro_tokens, loss_cfg):
     samples = _train_samples(seqs, lps)
     data = TrainData.from_sequences(
         [list(t) for t, _ in seqs], [len(t) - k for t, k in seqs],
-        skill_contexts=[[list(t[:1]) + [11, 12, 13] + list(t[1:])] for t, _ in seqs],
+        skills=[{"step": (1, [11, 12, 13])} for _ in seqs],
         old_logprobs=np.concatenate([np.asarray(s.old_logprobs, np.float32) for s in samples]),
         advantages=np.concatenate([np.asarray(s.advantages, np.float32) for s in samples]),
         ref_logprobs=np.concatenate([np.asarray(s.ref_logprobs, np.float32) for s in samples]))

@@ -15,6 +15,15 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cp
 T = 0.7  # a sampling temperature != 1: every log-prob and KL is of softmax(logits / T)
 
 
+def _context(req, kind):
+    """The tokens of one context, by hand: prompt[:at] + section + prompt[at:] + response (kind None: the original)."""
+    p = list(req.prompt_ids)
+    if kind is not None:
+        at, section = req.skills[kind]
+        p = p[:at] + list(section) + p[at:]
+    return p + list(req.response_ids)
+
+
 def _kl_magnitude(lo, ls):
     """Per row, Σ p_o (|log p_o| + |log p_s|): the size of the terms KL(p_o‖p_s) is summed from, which sets its fp32
     rounding (the KL itself is ~1e-2, a difference of log-probs of size ~7)."""
@@ -73,10 +82,10 @@ def test_fork_scorer_divergences_match_float64(setup):
             assert_close_scaled(b.skill[k], a.skill[k], rel=1e-6, msg=f"{k} log-probs")
         assert a.divergence == {} and b.divergence.keys() == req.skills.keys()
         R = len(req.response_ids)
-        orig_ctx = req.context(None)
+        orig_ctx = _context(req, None)
         lo = _full(hf, orig_ctx, len(orig_ctx) - R)
         for kind in req.skills:
-            ctx = req.context(kind)
+            ctx = _context(req, kind)
             ls = _full(hf, ctx, len(ctx) - R)
             d = b.divergence[kind]
             kl_os = (lo.exp() * (lo - ls)).sum(-1)
@@ -131,13 +140,13 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
     off = np.concatenate([[0], np.cumsum(adv.resp_lens)])
     for i, req in enumerate(reqs):
         R = len(req.response_ids)
-        orig_ctx = req.context(None)
+        orig_ctx = _context(req, None)
         lo = _full(hf, orig_ctx, len(orig_ctx) - R)
         y = torch.tensor(req.response_ids)
         want = torch.zeros(R, dtype=torch.float64)
         size = torch.zeros(R, dtype=torch.float64)  # the magnitudes summed into `want` (they set its fp32 rounding)
         for kind in req.skills:
-            ctx = req.context(kind)
+            ctx = _context(req, kind)
             ls = _full(hf, ctx, len(ctx) - R)
             ly, oy = ls.gather(-1, y[:, None])[:, 0], lo.gather(-1, y[:, None])[:, 0]
             want += lam * (ly - oy + (lo.exp() * (lo - ls)).sum(-1))
@@ -157,12 +166,12 @@ def test_distill_training_gradient_matches_float64_reference(setup):
 
     pol, hf = setup
     reqs = _requests()
-    seqs = [r.context(None) for r in reqs]
+    seqs = [_context(r, None) for r in reqs]
     lens = [len(r.response_ids) for r in reqs]
     n = sum(lens)
     zeros = np.zeros(n, np.float32)
     coef = 0.3
-    data = TrainData.from_sequences(seqs, lens, skill_contexts=[[r.context(k) for k in sorted(r.skills)] for r in reqs],
+    data = TrainData.from_sequences(seqs, lens, skills=[r.skills for r in reqs],
                                     old_logprobs=zeros, advantages=zeros)  # A = 0: the PPO term has zero gradient
     batches = data.micro_batches(4096)
     assert len(batches) == 1 and batches[0].pairs.shape == (2, sum(len(r.response_ids) * len(r.skills) for r in reqs))
@@ -179,10 +188,10 @@ def test_distill_training_gradient_matches_float64_reference(setup):
     kl_sum = torch.zeros((), dtype=torch.float64)
     for req in reqs:
         R = len(req.response_ids)
-        oc = req.context(None)
+        oc = _context(req, None)
         lo = torch.log_softmax(hf(torch.tensor([oc])).logits[0, len(oc) - R - 1:len(oc) - 1].double() / T, -1)
         for kind in req.skills:
-            sc = req.context(kind)
+            sc = _context(req, kind)
             ls = _full(hf, sc, len(sc) - R)  # no grad: the teacher
             kl = (lo.exp() * (lo - ls)).sum(-1)
             kl_sum = kl_sum + kl.detach().sum()
