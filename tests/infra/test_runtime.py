@@ -53,7 +53,7 @@ def test_first_run_notice_names_what_is_built(tmp_path):
     from opid_mega.cli import first_run_notice
     from opid_mega.config import load_config
 
-    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml"),
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml"),
                       [f"model.cache_dir={tmp_path}/models", f"env.options.cache_dir={tmp_path}/games"])
     line = first_run_notice(cfg)
     assert "\n" not in line and line.startswith("opid-train: first run")

@@ -13,7 +13,7 @@ import pytest
 
 from opid_mega.infra import hosts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bind_host_auto_explicit_and_refused(monkeypatch):
