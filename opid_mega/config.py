@@ -307,6 +307,16 @@ class TrainConfig:
     # layer is recomputed in the backward) | full (every transformer layer is recomputed from its input: uniform,
     # one layer per checkpoint). Saves activation memory at the cost of a second forward; same gradients.
     recompute: Literal["none", "selective", "full"] = "none"
+    # Bounded staleness (docs/algorithm.md "Bounded staleness"): 0 = on-policy, every rollout drawn with the weights
+    # just trained. N > 0: the rollouts of the next N iterations are drawn before this one trains (with the weights
+    # the engines hold), so this iteration's analysis waits while they run; a sample is trained on at most N weight
+    # versions after the one that drew it.
+    max_staleness: int = 0
+    # The correction for stale samples: decoupled (their policy-gradient term weighted by min(π_prox / π_behaviour,
+    # behavior_weight_cap), π_prox the current weights that rescore them, π_behaviour the engines' log-probs) or
+    # none (the PPO ratio against the rescored log-probs only). On-policy samples are never weighted.
+    off_policy_correction: Literal["decoupled", "none"] = "decoupled"
+    behavior_weight_cap: float = 2.0
 
 
 @dataclass
@@ -536,6 +546,8 @@ _CHECKS: dict[str, tuple] = {
     "train.micro_batch_tokens": _POSITIVE_INT,
     "train.micro_batch_size": (lambda v: v >= 0, "an integer >= 0 (0: the packed micro-batches)"),
     "train.ppo_epochs": _POSITIVE_INT,
+    "train.max_staleness": (lambda v: v >= 0, "an integer >= 0"),
+    "train.behavior_weight_cap": (lambda v: v > 0, "a number > 0"),
     "train.save_interval": (lambda v: v >= 0, "an integer >= 0"),
     "train.keep_checkpoints": (lambda v: v >= 0, "an integer >= 0 (0 keeps all)"),
     "sft.epochs": _POSITIVE_INT,

@@ -86,6 +86,7 @@ class Experience:
     divergence: dict = field(default_factory=dict)
     a_out: Optional[np.ndarray] = None
     token_advantages: Optional[np.ndarray] = None
+    behavior_weights: Optional[np.ndarray] = None
     scored_tokens: int = 0  # tokens the scorer ran through the model
 
     # ---- construction ----------------------------------------------------------------------------------------
@@ -294,6 +295,20 @@ def with_skill_term(exp: Experience, a, a_out: np.ndarray, backend: Optional[str
                                      clip=a.delta_clip, backend=backend)
 
 
+def off_policy(exp: Experience, correction: str, cap: float) -> None:
+    """off-policy (train.max_staleness > 0): behavior_weights, per token min(π_prox / π_behaviour, cap) on the samples
+    drawn with older weights than the ones that rescored them (correction=decoupled; opid_mega.algo.off_policy), 1
+    on the others and everywhere with correction=none. The policy trains on token_advantages x behavior_weights."""
+    w = np.ones(int(exp.resp_lens.sum()), np.float64)
+    stale = np.repeat(exp.policy_version < exp.iteration - 1, exp.resp_lens)
+    if correction == "decoupled" and stale.any():
+        if exp.engine_logprobs.size != w.size:
+            raise ValueError("train.off_policy_correction=decoupled needs the rollout engine's log-probs of every "
+                             f"response token (got {exp.engine_logprobs.size} for {w.size} tokens)")
+        w[stale] = algo.behavior_weights(exp.old_logprobs[stale], exp.engine_logprobs[stale], cap)
+    exp.behavior_weights = w
+
+
 def check_advantages(exp: Experience, name: str) -> None:
     """What an advantage function (`name`: algo.advantage_fn) filled: exp.a_out float64 [S] and
     exp.token_advantages float32 [Σ resp_lens], every value finite; else a ValueError naming the function."""
@@ -351,7 +366,19 @@ def metrics(exp: Experience, elapsed: float) -> dict:
         "adv/skill_share": skill_abs / (out_abs + skill_abs) if out_abs + skill_abs > 0 else 0.0,
         "rollout/logprob_mismatch": float(np.abs(eng - old).sum() / ntok) if eng.size == old.size else None,
         "perf/tokens_per_s": int(exp.seq_offsets[-1]) / elapsed,
+        # weight versions between the one that drew a sample and the one that trains on it (train.max_staleness)
+        "rollout/staleness": int((exp.iteration - 1 - exp.policy_version).max()) if exp.num_samples else 0,
+        **behavior_metrics(exp),
     }
+
+
+def behavior_metrics(exp: Experience) -> dict:
+    """The behaviour weights of the stale samples' tokens (none: no metrics)."""
+    stale = np.repeat(exp.policy_version < exp.iteration - 1, exp.resp_lens)
+    if exp.behavior_weights is None or not stale.any():
+        return {}
+    w = exp.behavior_weights[stale]
+    return {"train/behavior_weight_mean": float(w.mean()), "train/behavior_weight_max": float(w.max())}
 
 
 def advantage_records(exp: Experience) -> list:

@@ -46,6 +46,7 @@ from opid_mega.infra import files, shutdown
 from opid_mega.infra.hosts import run_api_key
 from opid_mega.metrics import MetricsLogger, Timer, wandb_settings
 from opid_mega.models import load_tokenizer, resolve_model_path
+from opid_mega.pipeline import RolloutPipeline
 from opid_mega.plugins import advantage_function
 from opid_mega.rollout.launch import (RolloutEngineDied, audit_rollout_skills, build_agent_loop, build_analyzer,
                                       build_engine, env_factory, launch_node_servers, play)
@@ -205,9 +206,11 @@ class Trainer:
         self.advantage_fn = advantage_function(cfg.algo.advantage_fn)  # the advantages stage (every rank)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.current = 0  # the iteration in progress (0: none yet)
+        self.pipeline = RolloutPipeline(cfg.train.max_staleness, cfg.train.iterations)  # rollouts in flight
         if resume:  # the checkpoint's trainer state (loaded above)
             self.skill_bank = resumed.get("skill_bank", {})
             self.analysis.failures = resumed.get("analysis_failures", 0)
+            self.pipeline.restore(resumed.get("in_flight"), self.submit_analysis)
         # colocated on GPU: a resumed optimizer's Adam moments go to the host before the rollout servers start
         # (SGLang sizes its KV cache from the memory free then, as opid-plan assumes; during rollout they are on the
         # host anyway, see Colocation)
@@ -269,7 +272,8 @@ class Trainer:
                 wait_for_rank0()  # before the checkpoint's collectives: rank 0 may have been evaluating
                 if cfg.train.save_interval and (it % cfg.train.save_interval == 0 or it == cfg.train.iterations):
                     self.policy.save(self.ckpt_dir, it, {"skill_bank": self.skill_bank,
-                                                         "analysis_failures": self.analysis.failures},
+                                                         "analysis_failures": self.analysis.failures,
+                                                         "in_flight": self.pipeline.state()},
                                      meta={"config": json.dumps(self.config_digest)})
         finally:
             self.close()
@@ -277,11 +281,11 @@ class Trainer:
     def iteration(self, it: int) -> dict:
         """One iteration as its stages over one record (opid_mega.experience; docs/architecture.md)."""
         cfg, timer, t0 = self.cfg, Timer(), time.perf_counter()
-        with timer("rollout"):
-            exp = self.rollout(it)
-        # the analysis runs in the background while the reference log-probs are computed
-        views = [t.to_view(f"{it}/{t.task_id}/{ti}") for ti, t in enumerate(exp.trajectories)]
-        pending = self.analysis.submit(views, it)
+        with timer("rollout"):  # this iteration's rollout and, with train.max_staleness N, those of the next N
+            self.pipeline.fill(it, self.rollout, self.submit_analysis)
+        # the analysis runs in the background (since the rollout) while the next rollouts and the reference log-probs
+        took = self.pipeline.take(it)
+        exp, views, pending = took.exp, took.views, took.pending
         with timer("reference"):
             if self.policy.reference:  # the original contexts, packed and scored like the old log-probs
                 with self.policy.reference_weights():
@@ -293,6 +297,8 @@ class Trainer:
             experience.score(exp, self.scorer, cfg.algo.delta)
         self.advantage_fn(exp, cfg.algo)  # algo.advantage_fn, default experience.advantages
         experience.check_advantages(exp, cfg.algo.advantage_fn)
+        if cfg.train.max_staleness:
+            experience.off_policy(exp, cfg.train.off_policy_correction, cfg.train.behavior_weight_cap)
         if cfg.logging.dump_advantages and self.rank0:
             with open(self.run_dir / "advantages.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in experience.advantage_records(exp))
@@ -308,9 +314,9 @@ class Trainer:
                 **(self.engine.stats() if hasattr(self.engine, "stats") else {}), **timer.pop()}
 
     # ---- stages -------------------------------------------------------------------------------------------------
-    def rollout(self, it: int) -> Experience:
+    def rollout(self, it: int, version: int) -> Experience:
         """B tasks x G trajectories (task draws and sampling seeds depend only on seed and iteration), on rank 0,
-        broadcast; the record of their step-samples, drawn with the weights of version it - 1."""
+        broadcast; the record of their step-samples, drawn with the weights the engines hold (`version`)."""
         cfg = self.cfg
         self.colocation.before_rollout()
         tasks = self.env0.tasks(cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed * 7919 + it)
@@ -322,7 +328,7 @@ class Trainer:
                                        seed=cfg.train.seed * 100_003 + it, skills=skills))
         audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
         self.colocation.after_rollout()
-        exp = Experience.from_rollout(batch, it, policy_version=it - 1)
+        exp = Experience.from_rollout(batch, it, policy_version=version)
         if not exp.trajectories and exp.deadline_trajectories:
             raise RolloutEngineDied(f"the rollout passed rollout.deadline_s={cfg.rollout.deadline_s:g} s with none of "
                                     f"its {exp.rollout_trajectories} trajectories finished "
@@ -331,6 +337,11 @@ class Trainer:
             raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
                                "rollout/env_errors and the trajectories' errors)")
         return exp
+
+    def submit_analysis(self, exp: Experience) -> tuple:
+        """(views, pending): the analysis of a fresh rollout's trajectories, started in the background."""
+        views = [t.to_view(f"{exp.iteration}/{t.task_id}/{ti}") for ti, t in enumerate(exp.trajectories)]
+        return views, self.analysis.submit(views, exp.iteration)
 
     def add_skills(self, exp: Experience, analyses: list) -> None:
         """The experience stage: the analyses routed to the step-samples, their sections fitted and audited
@@ -352,7 +363,8 @@ class Trainer:
         from opid_mega.megatron.train_batches import TrainData
 
         skills = exp.skill_columns() if self.cfg.algo.distill_coef > 0 else {}
-        values = {"old_logprobs": exp.old_logprobs, "advantages": exp.token_advantages}
+        adv = exp.token_advantages if exp.behavior_weights is None else exp.token_advantages * exp.behavior_weights
+        values = {"old_logprobs": exp.old_logprobs, "advantages": adv}
         if exp.ref_logprobs is not None:
             values["ref_logprobs"] = exp.ref_logprobs
         return TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens, values, **skills)

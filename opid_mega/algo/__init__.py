@@ -11,6 +11,7 @@ from opid_mega.algo.advantage import (
 from opid_mega.algo.divergence import DELTA_KINDS, delta_baseline, divergence_delta, distill_loss, topk_kl_orig_skill
 from opid_mega.algo.loss import (agg_loss, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss,
                                  reference_micro_weights)
+from opid_mega.algo.off_policy import behavior_weights
 from opid_mega.algo.routing import EPISODE, SKILL_KINDS, STEP, route_skills
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "STEP",
     "SKILL_KINDS",
     "agg_loss",
+    "behavior_weights",
     "combine_advantages",
     "delta_baseline",
     "distill_loss",

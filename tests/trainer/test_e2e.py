@@ -59,8 +59,11 @@ DETERMINISTIC = ("train/", "adv/", "analysis/", "ppo/", "rollout/", "eval/")
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
-    args = TINY + ["train.iterations=3", "train.save_interval=1"]
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sigkill_and_resume_gives_the_same_metrics(tmp_path, staleness):
+    """max_staleness 1: the checkpoint of iteration 1 holds the rollout of iteration 2, drawn before iteration 1
+    trained; the resumed run trains on it, not on a redraw with the newer weights."""
+    args = TINY + ["train.iterations=3", "train.save_interval=1", f"train.max_staleness={staleness}"]
     one_thread = {**ENV, "OMP_NUM_THREADS": "1"}  # the uninterrupted and the killed run side by side, a core each
     ref = tmp_path / "ref"
     with open(tmp_path / "ref.stderr", "w") as ref_err:
@@ -96,6 +99,7 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
     assert all(line in log[starts[1]:] for line in r.stdout.splitlines() if line.startswith("opid-train:"))
     a, b = _metrics(ref), _metrics(run)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
+    assert [m["rollout/staleness"] for m in b] == [0, staleness, staleness]
     for ma, mb in zip(a, b):
         keys = [k for k in ma if k.startswith(DETERMINISTIC)]
         assert keys
