@@ -39,14 +39,14 @@ class RolloutPipeline:
         self.queue: deque = deque()
 
     def fill(self, it: int, rollout: Callable[[int, int], Experience], submit: Callable[[Experience], tuple]) -> int:
-        """Draws the rollouts it .. min(it + max_staleness, last iteration) not drawn yet: `rollout(k, version)` makes
-        iteration k's record with the engines' weights (version it - 1); `submit(exp)` starts its analysis and returns
-        (views, pending). Returns how many were drawn."""
+        """Draws the rollouts it .. it + max_staleness not drawn yet (none past the last iteration, but always it):
+        `rollout(k, version)` makes iteration k's record with the engines' weights (version it - 1); `submit(exp)`
+        starts its analysis and returns (views, pending). Returns how many were drawn."""
         nxt = self.queue[-1].exp.iteration + 1 if self.queue else it
         if nxt < it:
             raise RuntimeError(f"iteration {it}: the rollout of iteration {nxt} was never trained on")
         drawn = 0
-        for k in range(nxt, min(it + self.max_staleness, self.last_iteration) + 1):
+        for k in range(nxt, max(it, min(it + self.max_staleness, self.last_iteration)) + 1):
             exp = rollout(k, it - 1)
             self.queue.append(InFlight(exp, *submit(exp)))
             drawn += 1
