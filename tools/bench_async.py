@@ -1,0 +1,101 @@
+"""What a hosted analyzer's latency costs an OPID iteration, on-policy and with bounded staleness.
+
+A GRPO run (no analyzer; `train.max_staleness=0`) sets the baseline: its median iteration time and its median rollout
+time. OPID then runs against `opid_mega.skills.standin` (an OpenAI-compatible server on loopback that answers every
+analyzer prompt with the rule analyzer's analysis, in the reference's JSON format, after `latency` seconds per reply)
+at each latency and each `train.max_staleness`. An iteration's time is the wall-clock time between two consecutive
+metrics records (everything the user pays: rollout, waits, scoring, update, weight sync), with evaluation and
+checkpoints switched off; the medians are over iterations 2..N-s with staleness s (the first iteration draws s extra
+rollouts, the last s draw none). Each run is one `opid-train` process; nothing else should run meanwhile.
+
+    python tools/bench_async.py                                   # latencies 0 10 30 60 s, staleness 0 1 2
+    python tools/bench_async.py --latency-factors 0.75 --staleness 0 1 2   # latency = 0.75 x GRPO's median rollout
+    python tools/bench_async.py --config configs/smollm2_textworld.yaml --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from opid_mega.skills.standin import StandinServer  # noqa: E402
+
+
+def run(config: str, iterations: int, overrides: list, out: Path, staleness: int = 0) -> dict:
+    """One opid-train run; median iteration time, rollout time and analysis wait over iterations 2..N-staleness."""
+    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", config, "--run-dir", str(out),
+           f"train.iterations={iterations}", "train.save_interval=0", "eval.interval=0", "eval.before_training=false",
+           "logging.tensorboard=false", "logging.progress=false", *overrides]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if r.returncode != 0:
+        raise SystemExit(f"bench_async: {' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [x for x in recs if x.get("step", 0) >= 1]
+    times = {x["step"]: x["time"] for x in recs}
+    last = iterations - staleness
+    its = [times[k] - times[k - 1] for k in range(2, last + 1) if k in times and k - 1 in times]
+    mid = [x for x in recs if 2 <= x["step"] <= last]
+    return {"iteration_s": statistics.median(its),
+            "rollout_s": statistics.median(x["time/rollout"] for x in mid),
+            "analysis_wait_s": statistics.median(x.get("time/analysis_wait", 0.0) for x in mid),
+            "staleness": max(x.get("rollout/staleness", 0) for x in mid),
+            "iterations_s": [round(v, 2) for v in its], "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
+    ap.add_argument("--iterations", type=int, default=6, help="per run (medians over 2..N-staleness)")
+    ap.add_argument("--latencies", type=float, nargs="*", default=[0, 10, 30, 60], help="seconds per reply")
+    ap.add_argument("--latency-factors", type=float, nargs="*", default=[],
+                    help="latencies as multiples of the GRPO run's median rollout time (added to --latencies)")
+    ap.add_argument("--staleness", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("override", nargs="*", help="key=value config overrides for every run")
+    a = ap.parse_args(argv)
+    if a.iterations < 3 + max(a.staleness, default=0):
+        raise SystemExit("bench_async: --iterations must be >= 3 + the largest --staleness (medians over iterations "
+                         "2..N-staleness)")
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        grpo = run(a.config, a.iterations, ["algo.mode=grpo", "analyzer.backend=rules", *a.override],
+                   Path(tmp) / "grpo")
+        print(f"GRPO (staleness 0): iteration {grpo['iteration_s']:.2f} s, rollout {grpo['rollout_s']:.2f} s "
+              f"(median over iterations 2..{a.iterations})", flush=True)
+        latencies = [(f"{f:g} x rollout", f * grpo["rollout_s"]) for f in a.latency_factors] + \
+                    [(f"{x:g} s", x) for x in (a.latencies if not a.latency_factors else [])]
+        rows = []
+        for label, latency in latencies:
+            with StandinServer(latency_s=latency) as server:
+                for s in a.staleness:
+                    name = f"opid_l{latency:.2f}_s{s}"
+                    res = run(a.config, a.iterations,
+                              ["algo.mode=opid", "analyzer.backend=llm", f"analyzer.base_url={server.base_url}",
+                               "analyzer.model=standin", f"train.max_staleness={s}", *a.override], Path(tmp) / name, s)
+                    res.update(latency_label=label, latency_s=round(latency, 3), max_staleness=s,
+                               ratio_to_grpo=res["iteration_s"] / grpo["iteration_s"])
+                    rows.append(res)
+                    print(f"OPID latency {label:>14} ({latency:6.2f} s) staleness {s}: iteration "
+                          f"{res['iteration_s']:.2f} s = {res['ratio_to_grpo']:.2f} x GRPO, analysis wait "
+                          f"{res['analysis_wait_s']:.2f} s", flush=True)
+    print("\n| analyzer latency per reply | max_staleness | OPID iteration (s) | / GRPO | analysis wait (s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['latency_label']} ({r['latency_s']:.1f} s) | {r['max_staleness']} | {r['iteration_s']:.2f} | "
+              f"{r['ratio_to_grpo']:.2f} | {r['analysis_wait_s']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"config": a.config, "grpo": grpo, "opid": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
