@@ -144,7 +144,7 @@ fi
 
 # ---- kernels
 if [ $DRY -eq 1 ]; then  # the stage's plumbing only: the test suite runs every kernel file under the interpreter
-  KT=(tests/kernels/test_kernel_dispatch_env.py)
+  KT=(tests/kernels/test_kernel_logprob_temperature.py)
   P_LOGPROB=ci P_DIV=tiny P_RESCORE=tiny TINY=--tiny
 else
   KT=(tests/kernels)

@@ -137,7 +137,7 @@ def main(argv: list) -> None:
                   "give it once, in the environment", file=sys.stderr)
             sys.exit(2)
         redact_output(key)
-        args += ["--api-key", key]
+        args += [f"--api-key={key}"]  # one token: a key may begin with "-", which argparse would take for an option
     sys.argv = [module] + args
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -40,6 +40,7 @@ import base64
 import io
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,9 +74,31 @@ _TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
+def _ephemeral_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (the address the server will bind)."""
+    """A TCP port free on `host` (the address the server will bind), below the kernel's ephemeral range when there is
+    room: a server binds its port only after a minute of start-up, and an ephemeral port can meanwhile become the
+    source port of any outgoing connection on the machine (a port the kernel handed out for bind(0) is one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    lo, _ = _ephemeral_range()
+    if lo > 11000:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(10000, lo)
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -62,14 +62,18 @@ def test_run_api_key_is_random_unless_given(monkeypatch):
 def test_keyed_launcher_adds_the_key_and_redacts_every_output(tmp_path):
     """The key reaches the module's argv through a pipe (not the command line, not the environment), and every byte
     the process and its children write to stdout/stderr has it replaced by ***."""
-    key = "k3y-" + "x" * 40
+    key = "-k3y-" + "x" * 40  # a random key may begin with "-": the server's argparse must still read it as the value
     (tmp_path / "fakeserver.py").write_text(textwrap.dedent(f'''
-        import os, subprocess, sys
+        import argparse, os, subprocess, sys
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--port")
+        ap.add_argument("--api-key", required=True)
+        key = ap.parse_args().api_key
         print("argv", sys.argv[1:], flush=True)
-        print("stderr has", sys.argv[-1], file=sys.stderr, flush=True)
+        print("stderr has", key, file=sys.stderr, flush=True)
         print("env", sorted(k for k in os.environ if k.startswith("OPID_SGLANG")), flush=True)
-        subprocess.run([sys.executable, "-c", "import sys; print('child', sys.argv[1])", sys.argv[-1]])
-        sys.stdout.write("long " + "y" * 70000 + sys.argv[-1] + "z" * 10 + "\\n")
+        subprocess.run([sys.executable, "-c", "import sys; print('child', sys.argv[1])", key])
+        sys.stdout.write("long " + "y" * 70000 + key + "z" * 10 + "\\n")
     '''))
     from opid_mega.infra.keyed import key_channel
 
@@ -84,7 +88,7 @@ def test_keyed_launcher_adds_the_key_and_redacts_every_output(tmp_path):
     out = r.stdout.decode() + r.stderr.decode()
     assert r.returncode == 0, out[-2000:]
     assert key not in out
-    assert "argv ['--port', '1', '--api-key', '***']" in out and "stderr has ***" in out and "child ***" in out
+    assert "argv ['--port', '1', '--api-key=***']" in out and "stderr has ***" in out and "child ***" in out
     assert "env []" in out  # neither variable reaches the server's own children
     assert ("y" * 100 + "***" + "z" * 10) in out  # a line longer than the pump's 64 KiB window
     from opid_mega.infra.keyed import API_KEY_FD_ENV
