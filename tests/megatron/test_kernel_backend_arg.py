@@ -14,15 +14,6 @@ ARCH = dict(hidden=32, ffn=64, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=
             qkv_bias=False, qk_norm=False, tied=True, max_pos=64)
 
 
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
 @pytest.fixture(autouse=True)
 def _no_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # backend="triton" on a CPU tensor must then be refused

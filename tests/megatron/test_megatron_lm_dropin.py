@@ -236,15 +236,6 @@ def test_model_provider_without_megatron_training_says_how():
 
 
 # ------------------------------------------------------------------ provider + checkpoint interop (1 gloo rank)
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
 ARCHS = {  # Qwen3-like (q/k norm, tied) and Qwen2-like (QKV bias, untied)
     "qk_norm_tied": dict(qk_layernorm=True),
     "qkv_bias_untied": dict(add_qkv_bias=True, untie_embeddings_and_output_weights=True),

@@ -8,15 +8,6 @@ from tolerance import assert_close_scaled
 pytest.importorskip("megatron.core")
 
 
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
 def _megatron(hf_dir, tp=1, pp=1):
     from transformers import AutoConfig
 

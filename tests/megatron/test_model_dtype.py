@@ -11,15 +11,6 @@ ARCH = dict(hidden=32, ffn=64, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=
             qkv_bias=True, qk_norm=True, tied=False, max_pos=64)
 
 
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
 def _floating(m):
     return [(n, t.dtype) for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_floating_point()]
 

@@ -20,15 +20,6 @@ pytest.importorskip("megatron.core")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def mp1():
-    from opid_mega.megatron import parallel
-
-    parallel.initialize(1, 1)
-    yield
-    parallel.destroy_all()
-
-
 def dense_mask_attention(q, k, v, params, *, softmax_scale, dropout_p=0.0, te_module=None, dropout_rng=None):
     """The previous training path: ONE SDPA over the whole pack with the dense [N, N] fork mask."""
     from opid_mega.kernels.fork_attention import fork_attention_mask
