@@ -96,8 +96,8 @@ def test_bad_fork_layouts_are_refused():
 
 
 # ------------------------------------------------------------------------------------------------- through the model
-# the model-level fixture and the dense-mask reference are test_packed_attention's (one definition)
-from test_packed_attention import check_bench_train_attention, dense_mask_attention, mp1  # noqa: E402,F401
+# the dense-mask reference is test_packed_attention's (one definition); `mp1` comes from conftest.py
+from test_packed_attention import check_bench_train_attention, dense_mask_attention  # noqa: E402,F401
 
 
 def _model(hf_dir):
