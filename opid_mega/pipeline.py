@@ -6,6 +6,13 @@ whose analysis has been running in the background since it was drawn. The analyz
 next rollouts are generated (and, from the second iteration on, while the previous iteration trained) instead of
 after the reference log-probs. N = 0 is the on-policy loop: draw it, take it.
 
+Two deployments (deploy.mode). Colocated (the engines share the trainer's devices): the next rollouts are drawn in
+:meth:`fill`, before the iteration's scoring and update, so only the analysis runs beside them. Disaggregated (the
+engines have devices of their own): :meth:`fill` draws only what is missing of the iteration's own record (the first
+iteration, a resume), and :meth:`start` plays the next N in a background thread while the iteration is scored and
+trained; :meth:`join` lands them before the weight sync, so an engine never generates while its weights change. Both
+draw the same rollouts with the same weights: the same records, only the waiting differs.
+
 A sample of iteration k is drawn with version >= k - 1 - N and trained at version k - 1: at most N versions stale.
 The records in flight at a checkpoint are saved inside it (:meth:`RolloutPipeline.state`), so a resumed run trains
 on the very samples the uninterrupted run would have (their weights are gone: they cannot be redrawn), and their
@@ -17,6 +24,7 @@ import base64
 import pickle
 import zlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,26 +39,77 @@ class InFlight:
 
 
 class RolloutPipeline:
-    def __init__(self, max_staleness: int, last_iteration: int):
+    def __init__(self, max_staleness: int, last_iteration: int, overlap: bool = False):
+        """`overlap`: the next rollouts are played beside the update (:meth:`start` / :meth:`join`), not before it."""
         if int(max_staleness) != max_staleness or max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness!r} must be an integer >= 0")
         self.max_staleness = int(max_staleness)
         self.last_iteration = int(last_iteration)
+        self.overlap = bool(overlap)
         self.queue: deque = deque()
+        self.drawing: Optional[tuple] = None  # playing in the background: (iterations, weight version, Future)
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     def fill(self, it: int, rollout: Callable[[int, int], Experience], submit: Callable[[Experience], tuple]) -> int:
         """Draws the rollouts it .. it + max_staleness not drawn yet (none past the last iteration, but always it):
         `rollout(k, version)` makes iteration k's record with the engines' weights (version it - 1); `submit(exp)`
         starts its analysis and returns (views, pending). Returns how many were drawn."""
+        if self.drawing is not None:
+            raise RuntimeError(f"iteration {it}: the rollouts {self.drawing[0]} started in the background were never "
+                               "joined")
         nxt = self.queue[-1].exp.iteration + 1 if self.queue else it
         if nxt < it:
             raise RuntimeError(f"iteration {it}: the rollout of iteration {nxt} was never trained on")
         drawn = 0
-        for k in range(nxt, max(it, min(it + self.max_staleness, self.last_iteration)) + 1):
+        last = it if self.overlap else max(it, min(it + self.max_staleness, self.last_iteration))
+        for k in range(nxt, last + 1):
             exp = rollout(k, it - 1)
             self.queue.append(InFlight(exp, *submit(exp)))
             drawn += 1
         return drawn
+
+    def start(self, it: int, job: Callable[[int, int], Callable[[], object]]) -> list:
+        """Overlap: the rollouts after it up to it + max_staleness not drawn yet, played in one background thread,
+        in order, while iteration it is scored and trained. `job(k, version)` is called now, in the caller's thread
+        (it reads what the rollout needs: tasks, the skill bank), and returns what the thread runs (rank 0: the
+        rollout played and its analysis submitted; other ranks: nothing). Returns the iterations started."""
+        if not self.overlap or self.drawing is not None:
+            raise RuntimeError(f"iteration {it}: start() needs an overlapping pipeline with nothing playing")
+        nxt = self.queue[-1].exp.iteration + 1 if self.queue else it + 1
+        todo = list(range(nxt, min(it + self.max_staleness, self.last_iteration) + 1))
+        if todo:
+            runs = [job(k, it - 1) for k in todo]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+            self.drawing = (todo, it - 1, self._pool.submit(lambda: [run() for run in runs]))
+        return todo
+
+    def join(self, land: Callable[[int, int, Callable[[], object]], tuple]) -> int:
+        """Waits for the rollouts of :meth:`start` and puts them in flight: `land(k, version, produce)` (every rank,
+        the caller's thread) returns (record, views, pending) from `produce()`, the thread's result for k (which
+        raises what the thread raised). Returns how many landed."""
+        if self.drawing is None:
+            return 0
+        todo, version, future = self.drawing
+        self.drawing = None
+        try:
+            results, error = future.result(), None
+        except BaseException as exc:  # noqa: BLE001 - raised again by produce(), inside land's broadcast
+            results, error = None, exc
+
+        def produce(i: int):
+            if error is not None:
+                raise error
+            return results[i]
+
+        for i, k in enumerate(todo):
+            self.queue.append(InFlight(*land(k, version, lambda i=i: produce(i))))
+        return len(todo)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def take(self, it: int) -> InFlight:
         """Iteration it's record (the oldest in flight)."""

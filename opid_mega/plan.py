@@ -472,7 +472,19 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
                      "system every node's servers see")
     t_sync = sync_bytes * 8 / (sync_gbps * 1e9) * (2 if method == "disk" else 1)
     t_offload = 2 * moments * 8 / (host_gbps * 1e9) if (colocated and d.offload_optimizer and gpu_cluster) else 0.0
-    total_t = t_rollout + t_analysis + t_score + t_train + t_sync + t_offload
+    sequential_t = t_rollout + t_analysis + t_score + t_train + t_sync + t_offload
+    # train.max_staleness >= 1 (opid_mega.pipeline): each stage below runs beside the others; the analyzer (its own
+    # GPUs) is a stage of its own, so an iteration takes the longest chain, not the sum
+    if t.max_staleness == 0:
+        total_t, overlap = sequential_t, "none (train.max_staleness=0): every phase after the other"
+    elif colocated:  # the next rollout before this iteration's scoring and update; only the analysis beside them
+        total_t = max(t_rollout + t_score + t_train + t_sync + t_offload, t_analysis)
+        overlap = (f"train.max_staleness={t.max_staleness}, colocated: the analysis beside the next rollout, scoring "
+                   "and training: max(rollout + scoring + training + sync + offload, analysis)")
+    else:  # the next rollout on the rollout GPUs beside this iteration's scoring and update, joined before the sync
+        total_t = max(max(t_rollout, t_score + t_train) + t_sync, t_analysis)
+        overlap = (f"train.max_staleness={t.max_staleness}, disaggregated: the next rollout beside scoring and "
+                   "training, the analysis beside both: max(max(rollout, scoring + training) + sync, analysis)")
     time = dict(
         rollout_tokens=rollout_tokens, decode_tok_s_per_gpu=round(per_gpu_decode, 1), rollout_gpus=rollout_gpus,
         rollout_s=round(t_rollout, 2), analyzer_tokens=analyzer_tokens, analysis_s=round(t_analysis, 2),
@@ -480,7 +492,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         scoring_tflop=round(score_flops / 1e12, 1), scoring_s=round(t_score, 2),
         training_tflop=round(train_flops / 1e12, 1), training_s=round(t_train, 2),
         sync_method=method, sync_gb=round(sync_bytes / 1e9, 3), sync_s=round(t_sync, 2),
-        offload_s=round(t_offload, 2), iteration_s=round(total_t, 1),
+        offload_s=round(t_offload, 2), sequential_s=round(sequential_t, 1), iteration_s=round(total_t, 1),
         iterations=t.iterations, run_h=round(total_t * t.iterations / 3600, 2),
     )
     assumptions = {
@@ -520,7 +532,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
                         f"method {method}" + (" (written and read: x2)" if method == "disk" else "")),
         "offload": (f"Adam's moments to host and back at {host_gbps:g} Gbit/s (--host-gbps)" if t_offload else
                     "no optimizer offload"),
-        "phases": "rollout, analysis, scoring, training and sync run one after the other",
+        "phases": overlap,
     }
     return dict(
         ok=not errors, errors=errors, notes=notes,
@@ -655,7 +667,8 @@ def render(res: dict) -> str:
         ("training", t["training_s"], f"{t['training_tflop']:,} TFLOP"),
         ("weight sync", t["sync_s"], f"{t['sync_gb']} GB, {t['sync_method']}"),
         ("optimizer offload", t["offload_s"], ""),
-        ("iteration", t["iteration_s"], f"x {t['iterations']} iterations = {t['run_h']} h"),
+        ("one after the other", t["sequential_s"], "the sum of the phases"),
+        ("iteration", t["iteration_s"], f"x {t['iterations']} iterations = {t['run_h']} h; {res['assumptions']['phases']}"),
     ):
         out.append(f"  {name:<20}{v:>10.1f}  {note}")
     out.append("")

@@ -31,7 +31,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -206,7 +206,9 @@ class Trainer:
         self.advantage_fn = advantage_function(cfg.algo.advantage_fn)  # the advantages stage (every rank)
         self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.current = 0  # the iteration in progress (0: none yet)
-        self.pipeline = RolloutPipeline(cfg.train.max_staleness, cfg.train.iterations)  # rollouts in flight
+        # rollouts in flight; disaggregated engines play the next ones beside the update (opid_mega.pipeline)
+        self.pipeline = RolloutPipeline(cfg.train.max_staleness, cfg.train.iterations,
+                                        overlap=cfg.deploy.mode == "disaggregated")
         if resume:  # the checkpoint's trainer state (loaded above)
             self.skill_bank = resumed.get("skill_bank", {})
             self.analysis.failures = resumed.get("analysis_failures", 0)
@@ -286,6 +288,8 @@ class Trainer:
         # the analysis runs in the background (since the rollout) while the next rollouts and the reference log-probs
         took = self.pipeline.take(it)
         exp, views, pending = took.exp, took.views, took.pending
+        if self.pipeline.overlap:  # disaggregated: the next rollouts play while this one is scored and trained
+            self.pipeline.start(it, self.background_rollout)
         with timer("reference"):
             if self.policy.reference:  # the original contexts, packed and scored like the old log-probs
                 with self.policy.reference_weights():
@@ -306,6 +310,9 @@ class Trainer:
             lr = learning_rate(cfg.train, it)
             self.policy.set_lr(lr)
             ppo = self.policy.train(self.train_data(exp), seed=cfg.train.seed * 31 + it)
+        if self.pipeline.overlap:
+            with timer("rollout_wait"):  # never a weight sync while an engine generates
+                self.pipeline.join(self.land)
         with timer("weight_sync"):
             self.colocation.before_sync()
             sync = self.sync_weights(it)
@@ -317,18 +324,28 @@ class Trainer:
     def rollout(self, it: int, version: int) -> Experience:
         """B tasks x G trajectories (task draws and sampling seeds depend only on seed and iteration), on rank 0,
         broadcast; the record of their step-samples, drawn with the weights the engines hold (`version`)."""
-        cfg = self.cfg
         self.colocation.before_rollout()
+        batch = broadcast(self.rollout_job(it))
+        self.colocation.after_rollout()
+        return self.record(it, version, batch)
+
+    def rollout_job(self, it: int) -> Callable:
+        """Rank 0's part of iteration it's rollout: its tasks drawn and (skill_grpo) the skill bank read now, the
+        episodes played when the job is called."""
+        cfg = self.cfg
         tasks = self.env0.tasks(cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed * 7919 + it)
         G = cfg.rollout.group_size
         # skill_grpo: every rollout of task t carries the episode skill of t's OWN latest analysis (none yet: none)
         skills = [self.skill_bank.get(skill_key(t)) for t in tasks for _ in range(G)] \
             if cfg.algo.mode == "skill_grpo" else None
-        batch = broadcast(lambda: play(self.loop, cfg, tasks, G, cfg.rollout.temperature,
-                                       seed=cfg.train.seed * 100_003 + it, skills=skills))
+        return lambda: play(self.loop, cfg, tasks, G, cfg.rollout.temperature, seed=cfg.train.seed * 100_003 + it,
+                            skills=skills)
+
+    def record(self, it: int, version: int, batch, exp: Optional[Experience] = None) -> Experience:
+        """Iteration it's rollout batch as a record (`exp`: already made from it), audited and checked."""
+        cfg = self.cfg
         audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
-        self.colocation.after_rollout()
-        exp = Experience.from_rollout(batch, it, policy_version=version)
+        exp = exp or Experience.from_rollout(batch, it, policy_version=version)
         if not exp.trajectories and exp.deadline_trajectories:
             raise RolloutEngineDied(f"the rollout passed rollout.deadline_s={cfg.rollout.deadline_s:g} s with none of "
                                     f"its {exp.rollout_trajectories} trajectories finished "
@@ -337,6 +354,29 @@ class Trainer:
             raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
                                "rollout/env_errors and the trajectories' errors)")
         return exp
+
+    def background_rollout(self, it: int, version: int) -> Callable:
+        """(disaggregated, overlapping pipeline) What plays iteration it's rollout beside the update: on rank 0 the
+        episodes, their record and its analysis submitted; nothing on the other ranks (they get the batch in
+        :meth:`land`)."""
+        if not self.rank0:
+            return lambda: None
+        job = self.rollout_job(it)
+
+        def run():
+            batch = job()
+            exp = Experience.from_rollout(batch, it, policy_version=version)
+            return batch, exp, self.submit_analysis(exp)
+        return run
+
+    def land(self, it: int, version: int, produce: Callable) -> tuple:
+        """(record, views, pending) of a rollout played in the background (`produce()`: rank 0's result)."""
+        batch = broadcast(lambda: produce()[0])
+        if self.rank0:
+            _, exp, (views, pending) = produce()
+            return self.record(it, version, batch, exp), views, pending
+        exp = self.record(it, version, batch)
+        return (exp, *self.submit_analysis(exp))
 
     def submit_analysis(self, exp: Experience) -> tuple:
         """(views, pending): the analysis of a fresh rollout's trajectories, started in the background."""
@@ -439,7 +479,9 @@ class Trainer:
 
     def close(self) -> None:
         # colocated: an attached server gets back the memory this run released (Ctrl-C mid-iteration included)
-        for closer in (getattr(getattr(self, "colocation", None), "close", None),
+        # a rollout still playing in the background ends first (it uses the engines and the env workers)
+        for closer in (getattr(getattr(self, "pipeline", None), "close", None),
+                       getattr(getattr(self, "colocation", None), "close", None),
                        getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
                        getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None),
                        getattr(getattr(self, "env0", None), "close", None)):  # env worker processes end here

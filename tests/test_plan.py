@@ -446,3 +446,24 @@ def test_opid_plan_command_text_and_json():
                        cwd=ROOT)
     res = json.loads(r.stdout)
     assert r.returncode == 1 and not res["ok"] and res["params_total"] == PUBLISHED["Qwen2.5-7B-Instruct"]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_iteration_time_with_the_analysis_and_rollout_overlapped(capsys, mode):
+    """train.max_staleness >= 1: the iteration is the longest chain of the pipeline (opid_mega.pipeline), not the sum
+    of its phases; the analyzer is a stage of its own. Phase times from the JSON, the chains written out by hand."""
+    C = os.path.join(ROOT, "configs", "cluster", f"qwen2.5-7b_alfworld_2x8_{mode}.yaml")
+    over = [f"deploy.mode={mode}", "analyzer.backend=llm", "analyzer.base_url=", "deploy.analyzer_gpus=[0]"]
+    seq = plan_json(capsys, "--config", C, *over, "train.max_staleness=0")["time"]
+    t = plan_json(capsys, "--config", C, *over, "train.max_staleness=1")["time"]
+    R, A, S, T, Y, O = (t[k] for k in ("rollout_s", "analysis_s", "scoring_s", "training_s", "sync_s", "offload_s"))
+    assert A > 0 and R > 0 and T > 0
+    assert seq["iteration_s"] == seq["sequential_s"] == pytest.approx(R + A + S + T + Y + O, abs=0.2)
+    want = max(R + S + T + Y + O, A) if mode == "colocated" else max(max(R, S + T) + Y, A)
+    assert t["iteration_s"] == pytest.approx(want, abs=0.2)
+    assert t["sequential_s"] == seq["sequential_s"] and t["iteration_s"] < t["sequential_s"]
+    # an analyzer slower than everything else is what an iteration takes
+    slow = plan_json(capsys, "--config", C, *over, "train.max_staleness=2", "analyzer.max_tokens=200000")["time"]
+    assert slow["iteration_s"] == pytest.approx(slow["analysis_s"], abs=0.2)
+    rc, out, _ = run_plan(capsys, "--config", C, *over, "train.max_staleness=1")
+    assert f"train.max_staleness=1, {mode}" in out and "one after the other" in out

@@ -1,5 +1,7 @@
 """Bounded staleness: the rollouts in flight (opid_mega.pipeline), the behaviour weights of stale samples
 (opid_mega.algo.behavior_weights, experience.off_policy) and why weighting the advantage is decoupled PPO."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,10 @@ from opid_mega.pipeline import RolloutPipeline
 from .test_experience import _batch
 
 
-def _run(staleness, last, resume_at=None):
+def _run(staleness, last, resume_at=None, overlap=False):
     """The (iteration, version) of every rollout drawn and taken over iterations 1..last; `resume_at`: the pipeline
-    is saved after that iteration and a new one restored from the state, as a resumed run does."""
+    is saved after that iteration and a new one restored from the state, as a resumed run does. `overlap`: the next
+    rollouts play in the background during the "update", as the trainer drives a disaggregated deployment."""
     drawn, taken, submitted = [], [], []
     batch = _batch(1)
 
@@ -25,15 +28,30 @@ def _run(staleness, last, resume_at=None):
         submitted.append(exp.iteration)
         return [f"view {exp.iteration}"], f"job {exp.iteration}"
 
-    p = RolloutPipeline(staleness, last)
+    def job(k, version):  # prepared in the trainer's thread, run in the background
+        def run():
+            assert threading.current_thread() is not main
+            return rollout(k, version)
+        return run
+
+    def land(k, version, produce):
+        exp = produce()
+        assert exp.iteration == k and int(exp.policy_version[0]) == version
+        return (exp, *submit(exp))
+
+    main = threading.current_thread()
+    p = RolloutPipeline(staleness, last, overlap=overlap)
     for it in range(1, last + 1):
         p.fill(it, rollout, submit)
         took = p.take(it)
+        if overlap:
+            p.start(it, job)
+            p.join(land)  # (the update runs between the two)
         assert took.views == [f"view {it}"] and took.pending == f"job {it}"
         taken.append((it, int(took.exp.policy_version[0])))
         if it == resume_at:
             state = p.state()
-            p = RolloutPipeline(staleness, last)
+            p = RolloutPipeline(staleness, last, overlap=overlap)
             p.restore(state, submit)
     return drawn, taken, submitted
 
@@ -47,6 +65,54 @@ def test_each_iteration_trains_on_a_rollout_at_most_staleness_versions_old(stale
     assert dict(drawn) == want_version
     assert taken == [(it, want_version[it]) for it in range(1, 7)]
     assert max(it - 1 - v for it, v in taken) == min(staleness, 5)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_overlapping_draws_the_same_rollouts_with_the_same_weights(staleness):
+    """Disaggregated: the next rollouts play beside the update, yet each is drawn with the weights the sequential
+    pipeline draws it with (version it - 1 at iteration it), trained at the same staleness, resumable alike."""
+    assert _run(staleness, 6, overlap=True)[:2] == _run(staleness, 6)[:2]
+    assert _run(2, 6, overlap=True, resume_at=3) == _run(2, 6, resume_at=3)
+
+
+def test_overlapping_rollout_runs_while_the_update_runs_and_is_joined_before_the_sync():
+    batch = _batch(1)
+    update_started, rollout_done = threading.Event(), threading.Event()
+
+    def job(k, version):
+        def run():  # waits for the "update" of the main thread: it can finish only if both run at once
+            assert update_started.wait(30), "the background rollout never saw the update start"
+            rollout_done.set()
+            return Experience.from_rollout(batch, k, policy_version=version)
+        return run
+
+    p = RolloutPipeline(1, 3, overlap=True)
+    p.fill(1, lambda k, v: Experience.from_rollout(batch, k, policy_version=v), lambda e: ([], None))
+    p.take(1)
+    assert p.start(1, job) == [2]
+    update_started.set()  # the update runs here, while iteration 2's rollout plays
+    with pytest.raises(RuntimeError, match=r"iteration 2: the rollouts \[2\] started in the background were never "
+                                           "joined"):
+        p.fill(2, None, None)
+    assert p.join(lambda k, v, produce: (produce(), [], None)) == 1 and rollout_done.is_set()
+    assert p.take(2).exp.iteration == 2
+    p.close()
+
+
+def test_an_error_in_the_background_rollout_is_raised_where_it_lands():
+    def job(k, version):
+        def run():
+            raise RuntimeError(f"engine died in iteration {k}")
+        return run
+
+    p = RolloutPipeline(1, 3, overlap=True)
+    p.queue.clear()
+    p.start(1, job)
+    with pytest.raises(RuntimeError, match="engine died in iteration 2"):
+        p.join(lambda k, v, produce: (produce(), [], None))
+    with pytest.raises(RuntimeError, match="start\\(\\) needs an overlapping pipeline"):
+        RolloutPipeline(1, 3).start(1, job)
+    p.close()
 
 
 def test_a_restored_pipeline_trains_on_the_saved_rollouts_and_resubmits_their_analyses():
