@@ -19,6 +19,11 @@ torch_memory_saver's pause/resume), so that the colocation sequence can run agai
   paused is an illegal memory access, which kills the server the same way. A weight update (from tensor / disk /
   distributed) writes into the weights: while `weights` is paused it kills the server too.
 
+- Weight-update sessions (weight_updater.py begin_weight_update / end_weight_update, http_server.py): an update from
+  tensor or distributed outside a begin/end session is refused (HTTP 400, success false, "<route> must run between
+  begin_weight_update() and end_weight_update()") before any weight is touched; a begin while a session is open and
+  an end without one are refused the same way. An update from disk needs no session.
+
 The fake answers the rest of the weight-update protocol the engine uses (pause/continue generation, begin/end weight
 update, flush cache, weight version, /model_info, /server_info) and can be backed by a real in-process engine
 (opid_mega.rollout.local_engine.LocalEngine): generation then comes from that model and update_weights_from_tensor
@@ -252,11 +257,15 @@ class StrictSGLang:
             m.engine_paused = False
             return 200, {}
         if path == "/begin_weight_update":
+            if self.in_update:
+                return 400, {"success": False, "message": "a weight-update session is already open; "
+                                                          "call end_weight_update() first"}
             self.in_update = True
             return 200, {"success": True, "message": "Success"}
         if path == "/end_weight_update":
             if not self.in_update:
-                return 200, {"success": False, "message": "no weight-update session is open"}
+                return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                          "begin_weight_update() first"}
             self.in_update = False
             return 200, {"success": True, "message": "Success"}
         if path == "/flush_cache":
@@ -264,6 +273,10 @@ class StrictSGLang:
         if path == "/update_weight_version":
             self.version = str(body["new_version"])
             return 200, {"success": True, "message": "Success"}
+        if path in ("/update_weights_from_tensor", "/update_weights_from_distributed") and not self.in_update:
+            name = path.lstrip("/")  # refused before any weight is touched
+            return 400, {"success": False, "message": f"{name} must run between begin_weight_update() and "
+                                                      "end_weight_update()"}
         if path in ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"):
             m.write_weights()
             if path == "/update_weights_from_tensor":
