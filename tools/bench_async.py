@@ -56,10 +56,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_cpu.yaml"))
     ap.add_argument("--iterations", type=int, default=6, help="per run (medians over 2..N-staleness)")
-    ap.add_argument("--latencies", type=float, nargs="*", default=[0, 10, 30, 60], help="seconds per reply")
+    ap.add_argument("--latencies", type=float, nargs="*", default=None,
+                    help="seconds per reply (default 0 10 30 60 unless --latency-factors is given)")
     ap.add_argument("--latency-factors", type=float, nargs="*", default=[],
                     help="latencies as multiples of the GRPO run's median rollout time (added to --latencies)")
     ap.add_argument("--staleness", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--modes", nargs="*", default=["colocated"], choices=["colocated", "disaggregated"],
+                    help="deploy.mode of the OPID runs at staleness >= 1 (disaggregated: the next rollout plays "
+                         "beside the update); staleness 0 runs once, colocated")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("override", nargs="*", help="key=value config overrides for every run")
     a = ap.parse_args(argv)
@@ -72,26 +76,29 @@ def main(argv=None) -> int:
         print(f"GRPO (staleness 0): iteration {grpo['iteration_s']:.2f} s, rollout {grpo['rollout_s']:.2f} s "
               f"(median over iterations 2..{a.iterations})", flush=True)
         latencies = [(f"{f:g} x rollout", f * grpo["rollout_s"]) for f in a.latency_factors] + \
-                    [(f"{x:g} s", x) for x in (a.latencies if not a.latency_factors else [])]
+                    [(f"{x:g} s", x) for x in (a.latencies if a.latencies is not None else
+                                               [] if a.latency_factors else [0, 10, 30, 60])]
         rows = []
         for label, latency in latencies:
             with StandinServer(latency_s=latency) as server:
-                for s in a.staleness:
-                    name = f"opid_l{latency:.2f}_s{s}"
+                for s, mode in [(s, m) for s in a.staleness for m in (a.modes if s else ["colocated"])]:
+                    name = f"opid_l{latency:.2f}_s{s}_{mode}"
                     res = run(a.config, a.iterations,
                               ["algo.mode=opid", "analyzer.backend=llm", f"analyzer.base_url={server.base_url}",
-                               "analyzer.model=standin", f"train.max_staleness={s}", *a.override], Path(tmp) / name, s)
-                    res.update(latency_label=label, latency_s=round(latency, 3), max_staleness=s,
+                               "analyzer.model=standin", f"train.max_staleness={s}", f"deploy.mode={mode}",
+                               *a.override], Path(tmp) / name, s)
+                    res.update(latency_label=label, latency_s=round(latency, 3), max_staleness=s, mode=mode,
                                ratio_to_grpo=res["iteration_s"] / grpo["iteration_s"])
                     rows.append(res)
-                    print(f"OPID latency {label:>14} ({latency:6.2f} s) staleness {s}: iteration "
+                    print(f"OPID latency {label:>14} ({latency:6.2f} s) staleness {s} {mode}: iteration "
                           f"{res['iteration_s']:.2f} s = {res['ratio_to_grpo']:.2f} x GRPO, analysis wait "
                           f"{res['analysis_wait_s']:.2f} s", flush=True)
-    print("\n| analyzer latency per reply | max_staleness | OPID iteration (s) | / GRPO | analysis wait (s) |")
-    print("|---|---|---|---|---|")
+    print("\n| analyzer latency per reply | max_staleness | deploy.mode | OPID iteration (s) | / GRPO | "
+          "analysis wait (s) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['latency_label']} ({r['latency_s']:.1f} s) | {r['max_staleness']} | {r['iteration_s']:.2f} | "
-              f"{r['ratio_to_grpo']:.2f} | {r['analysis_wait_s']:.2f} |")
+        print(f"| {r['latency_label']} ({r['latency_s']:.1f} s) | {r['max_staleness']} | {r['mode']} | "
+              f"{r['iteration_s']:.2f} | {r['ratio_to_grpo']:.2f} | {r['analysis_wait_s']:.2f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"config": a.config, "grpo": grpo, "opid": rows}, indent=1))
     return 0
