@@ -1,4 +1,4 @@
-"""Start a server with an API key that is on no command line and in no log.
+"""Start a server tied to the process that launched it, with an API key that is on no command line and in no log.
 
     OPID_SGLANG_API_KEY=<key> python -m opid_mega.infra.keyed sglang.launch_server --model-path M ...
     OPID_SGLANG_API_KEY=<key> python -m opid_mega.infra.keyed sglang_router.launch_router --worker-urls ...
@@ -13,6 +13,9 @@ the module and its arguments but no key, and with the pipe the key is not in the
 server arguments, api_key included, into its log at start, and either server may print it elsewhere: every byte this
 process and its children write to stdout/stderr goes through a pipe in which the key is replaced by ***, before it
 reaches the log file. Without the variable (or empty) the module runs unchanged, without a key.
+
+With $OPID_OWNER set (the launcher's `opid_mega.infra.tether.owner_env()`), a watcher kills the server's process
+group once the launching process is gone (opid_mega.infra.tether.watch_owner), SIGKILL and the OOM killer included.
 
 SGLang: `--api-key` protects every endpoint but /health*, /ready*, /metrics* (clients send
 `Authorization: Bearer <key>`). sglang-router 0.3.2: `--api-key` is both what it sends to the workers and what it
@@ -29,6 +32,7 @@ import threading
 import time
 
 from opid_mega.infra.hosts import API_KEY_ENV
+from opid_mega.infra.tether import watch_owner
 
 API_KEY_FD_ENV = API_KEY_ENV + "_FD"
 MASK = b"***"
@@ -131,6 +135,7 @@ def main(argv: list) -> None:
         sys.exit(2)
     module, args = argv[0], list(argv[1:])
     key = read_key()
+    watch_owner()  # before the server starts: it ends when the process that launched it is gone
     if key:
         if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
             print(f"opid_mega.infra.keyed: {module} got --api-key on its command line and in ${API_KEY_ENV}; "

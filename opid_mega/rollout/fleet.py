@@ -456,7 +456,7 @@ class RouterFleet(FleetEngine):
         self.host = host
         self.router_port = port or free_port(host)
         self.router_url = http_url(host, self.router_port)
-        self.command = [python, "-m", *(["opid_mega.infra.keyed"] if self._api_key else []), "sglang_router.launch_router",
+        self.command = [python, "-m", "opid_mega.infra.keyed", "sglang_router.launch_router",
                         "--worker-urls", *self.urls, "--host", host, "--port", str(self.router_port)]
         if not _has_flag(router_args, "--worker-startup-check-interval"):
             self.command += ["--worker-startup-check-interval", "1"]  # default 30 s: the workers are up already
@@ -477,19 +477,25 @@ class RouterFleet(FleetEngine):
         self._router_log.flush()
         if _shutdown.stopping():
             raise EngineError("not launching the SGLang router: the trainer is shutting down")
+        from opid_mega.infra import tether
+
+        tether.sweep(log_dir)  # what a dead earlier start of this run left here: reported and stopped
+        self._record_dir = log_dir
         key_env, key_fds = {}, ()
         if self._api_key:  # the key through a pipe (opid_mega.infra.keyed)
             from opid_mega.infra.keyed import key_channel
 
             key_env, key_fds = key_channel(self._api_key)
-        try:
+        try:  # through opid_mega.infra.keyed: tied to this process (it ends when this process dies), the key if any
             self._router_proc = subprocess.Popen(self.command, stdout=self._router_log, stderr=subprocess.STDOUT,
-                                                 start_new_session=True, env={**os.environ, **key_env},
+                                                 start_new_session=True,
+                                                 env={**os.environ, **key_env, **tether.owner_env()},
                                                  pass_fds=key_fds)
         finally:
             for fd in key_fds:
                 os.close(fd)
         _shutdown.register_group(self._router_proc.pid, f"SGLang router {self.router_url}")
+        tether.record(log_dir, self._router_proc.pid, f"SGLang router {self.router_url}")
         atexit.register(self._stop_router)
         self.request_timeout_s = float(request_timeout_s)
         self._router_session = requests.Session()
@@ -686,6 +692,9 @@ class RouterFleet(FleetEngine):
             _signal_group(proc, signal.SIGTERM, 5.0)
         _signal_group(proc, signal.SIGKILL, 5.0)
         _shutdown.unregister_group(proc.pid)
+        from opid_mega.infra import tether
+
+        tether.forget(self._record_dir, proc.pid)
         if self._router_log is not None and not self._router_log.closed:
             self._router_log.close()
 

@@ -147,16 +147,17 @@ def served_dtype(dtype: Optional[str], model_dir: Optional[str] = None) -> Optio
 
 
 def build_server_command(model_path: str, host: str, port: int, server_args: Sequence[str] = (),
-                         cpu: bool = False, python: str = sys.executable, keyed: bool = False,
+                         cpu: bool = False, python: str = sys.executable,
                          dtype: Optional[str] = None) -> list[str]:
     """The launch command: fixed model/host/port, the CPU defaults (when cpu and not overridden), then
-    server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype). `keyed`:
-    through opid_mega.infra.keyed, which adds `--api-key` from a pipe (the key is on no command line and in no log)."""
+    server_args verbatim (+ `--dtype dtype` when given and server_args do not set it: see with_dtype). It runs
+    through opid_mega.infra.keyed, which ties the server to its launcher (opid_mega.infra.tether: it ends when the
+    launcher dies) and adds `--api-key` from a pipe when there is a key (on no command line and in no log)."""
     server_args = with_dtype(server_args, dtype)
     for flag in ("--model-path", "--host", "--port", "--api-key"):
         if _has_flag(server_args, flag):
             raise ValueError(f"server_args must not set {flag}; SGLangEngine sets it (got {list(redact_args(server_args))})")
-    cmd = [python, "-m", *(["opid_mega.infra.keyed"] if keyed else []), "sglang.launch_server", "--model-path",
+    cmd = [python, "-m", "opid_mega.infra.keyed", "sglang.launch_server", "--model-path",
            str(model_path), "--host", host, "--port", str(port)]
     if cpu:
         for flag, value in CPU_DEFAULT_ARGS:
@@ -322,6 +323,7 @@ class SGLangEngine:
             raise ValueError(f"weight_transport must be 'shm' or 'inline', got {weight_transport!r}")
         self.weight_transport = weight_transport
         self._proc: Optional[subprocess.Popen] = None
+        self._record_dir: Optional[Path] = None
         self._log_file = None
         self.log_path: Optional[str] = None
         self.start_time_s: Optional[float] = None
@@ -347,8 +349,7 @@ class SGLangEngine:
                        "OMP_NUM_THREADS": str(len(cpus))}
                 if not _has_flag(server_args, "--max-total-tokens"):  # SGLang cannot size its pool once bound
                     server_args = list(server_args) + ["--max-total-tokens", "16384"]
-            self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python,
-                                                keyed=bool(self._api_key))
+            self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python)
             t0 = time.monotonic()
             self._launch(cpu_serving, log_dir, env)
             try:
@@ -392,6 +393,10 @@ class SGLangEngine:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIMS_DIR), env.get("PYTHONPATH", "")) if p)
         if _shutdown.stopping():
             raise EngineError("not launching an SGLang server: the trainer is shutting down")
+        from opid_mega.infra import tether
+
+        tether.sweep(log_dir)  # what a dead earlier start of this run left in this directory: reported and stopped
+        self._record_dir = log_dir
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(("$ " + " ".join(redact_args(self.command)) + "\n").encode())  # no --api-key value
         self._log_file.flush()
@@ -400,13 +405,15 @@ class SGLangEngine:
             from opid_mega.infra.keyed import key_channel
 
             key_env, key_fds = key_channel(self._api_key)
-        try:
+        try:  # tied to this process: it ends when this process dies, SIGKILL included (opid_mega.infra.tether)
             self._proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                          env={**env, **key_env}, start_new_session=True, pass_fds=key_fds)
+                                          env={**env, **key_env, **tether.owner_env()}, start_new_session=True,
+                                          pass_fds=key_fds)
         finally:
             for fd in key_fds:
                 os.close(fd)
         _shutdown.register_group(self._proc.pid, f"SGLang server {self.url}")
+        tether.record(log_dir, self._proc.pid, f"SGLang server {self.url}")
         atexit.register(self.shutdown)
 
     @property
@@ -795,6 +802,10 @@ class SGLangEngine:
             # The server leaves scheduler/detokenizer children in the group: always sweep it.
             _signal_group(proc, signal.SIGKILL, timeout_s)
             _shutdown.unregister_group(proc.pid)
+            if self._record_dir is not None:
+                from opid_mega.infra import tether
+
+                tether.forget(self._record_dir, proc.pid)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

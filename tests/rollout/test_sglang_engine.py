@@ -32,9 +32,10 @@ HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 def test_server_command_cpu_defaults_and_verbatim_args():
     cmd = build_server_command("/m", "127.0.0.1", 1234, ["--dtype", "float32", "--mem-fraction-static", "0.5"],
                                cpu=True, python="py")
-    assert cmd[:9] == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
-                       "1234"]
-    assert cmd[9:14] == ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+    # through opid_mega.infra.keyed: the server is tied to its launcher (opid_mega.infra.tether), the key by a pipe
+    assert cmd[:10] == ["py", "-m", "opid_mega.infra.keyed", "sglang.launch_server", "--model-path", "/m", "--host",
+                        "127.0.0.1", "--port", "1234"]
+    assert cmd[10:15] == ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
     assert "--sleep-on-idle" in cmd  # an idle CPU server must not spin
     assert cmd.count("--mem-fraction-static") == 1 and cmd[-4:] == ["--dtype", "float32", "--mem-fraction-static",
                                                                     "0.5"]

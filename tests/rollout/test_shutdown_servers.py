@@ -131,3 +131,66 @@ def test_signal_leaves_no_process_of_the_run(case, tmp_path, real_sglang_cpu, ti
     while _left(recorded, pgids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _left(recorded, pgids), f"processes of the run outlived it: {_left(recorded, pgids)}"
+
+
+# ---- a rank killed without a chance to stop its servers (SIGKILL, the OOM killer) --------------------------------
+RANK = """
+import sys, time
+from opid_mega.rollout.fleet import RouterFleet
+from opid_mega.rollout.sglang_engine import SGLangEngine
+model, run_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+server = SGLangEngine(model, server_args=flags, log_dir=run_dir + "/sglang", startup_timeout_s=600)
+router = RouterFleet([server], router_args=["--policy", "round_robin"], log_dir=run_dir + "/sglang")
+print(server.pid, router.router_pid, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_takes_its_server_and_router_along(tmp_path, real_sglang_cpu, tiny_qwen3):
+    """SIGKILL of a process that launched a real SGLang CPU server and the router: no process of either is alive 10 s
+    later (opid_mega.infra.tether); the next start in the same run directory finds nothing left to stop."""
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router not installed")
+    run = tmp_path / "run"
+    flags = ",".join(real_sglang_cpu(max_total_tokens=4096))
+    rank = subprocess.Popen([sys.executable, "-c", RANK, tiny_qwen3, str(run), flags], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = rank.stdout.readline()
+        assert line.strip(), rank.stderr.read()[-3000:]
+        server, router = (int(x) for x in line.split())
+        recorded = _descendants(rank.pid)
+        pgids = {server, router}
+        assert {pgid for pgid, _ in recorded.values()} >= pgids, recorded
+        assert len(list((run / "sglang" / "pids").glob("*.json"))) == 2
+        os.killpg(rank.pid, signal.SIGKILL)  # the rank alone: its servers run in their own sessions
+        rank.wait(timeout=30)
+        t0 = time.monotonic()
+        while _left(recorded, pgids) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+    left = _left(recorded, pgids)
+    for pid in left:  # never leave them running, whatever the outcome
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(f"{len(recorded)} processes of the server and router; gone {gone_s:.1f} s after SIGKILL of the rank")
+    assert not left, f"processes of the SIGKILLed rank's server/router alive 10 s later: {left}"
+    from opid_mega.infra import tether
+
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.extend(ln for ln in s.splitlines() if ln.strip())
+
+        def flush(self):
+            pass
+
+    assert tether.sweep(run / "sglang", out=Out()) == [] and lines == []  # nothing left: nothing reported
+    assert not list((run / "sglang" / "pids").glob("*.json"))

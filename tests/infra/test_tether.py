@@ -1,0 +1,163 @@
+"""Launched servers end with their launcher; a start stops what a dead earlier start left (opid_mega.infra.tether).
+
+The "server" here is Python's http.server run through opid_mega.infra.keyed exactly as the SGLang servers and the
+router are (own session, $OPID_OWNER, a record in the run directory); the launcher is a separate Python process that
+the test SIGKILLs, as the OOM killer would a rank.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from opid_mega.infra import tether
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from opid_mega.infra import tether
+    run_dir, tie = sys.argv[1], sys.argv[2] == "tie"
+    env = {**os.environ, **(tether.owner_env() if tie else {})}
+    p = subprocess.Popen([sys.executable, "-m", "opid_mega.infra.keyed", "http.server", "0", "--bind", "127.0.0.1"],
+                         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tether.record(run_dir, p.pid, "test server")
+    print(p.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _group(pgid: int) -> list:
+    """Live (non-zombie) processes of process group `pgid`."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                out.append(int(d))
+    return out
+
+
+def _launch(run_dir, tie: bool):
+    """(launcher process, server pid) once the server group holds the server and, when tied, its watcher."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir), "tie" if tie else "free"],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    server = int(launcher.stdout.readline())
+    want = 2 if tie else 1
+    t0 = time.monotonic()
+    while len(_group(server)) < want and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    assert len(_group(server)) == want, _group(server)
+    return launcher, server
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while _group(pgid) and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_start_time_is_field_22_and_none_for_the_gone():
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            expected = int(f.read().split()[21])  # "sleep" has no space in its name: plain split is field 22
+        assert tether.start_time(p.pid) == expected
+        assert tether.start_time(p.pid) >= tether.start_time(os.getpid())
+        assert tether.running(p.pid, expected) and not tether.running(p.pid, expected + 1)
+    finally:
+        p.kill()
+        p.wait()
+    assert tether.start_time(p.pid) is None and not tether.running(p.pid, expected)
+
+
+def test_sigkilled_launcher_takes_its_server_along(tmp_path):
+    launcher, server = _launch(tmp_path, tie=True)
+    try:
+        assert launcher.poll() is None
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        gone_s = _wait_gone(server, 10.0)
+        print(f"server group gone {gone_s:.2f} s after SIGKILL of its launcher")
+        assert not _group(server), "the server outlived its SIGKILLed launcher by 10 s"
+    finally:
+        launcher.kill()
+        _kill_group(server)
+    # the record of the dead start is swept without a kill and without a line (nothing was left)
+    lines = []
+    assert tether.sweep(tmp_path, out=_Lines(lines)) == [] and lines == []
+    assert not list((tmp_path / "pids").glob("*.json"))
+
+
+def test_the_server_exiting_first_ends_the_watcher(tmp_path):
+    launcher, server = _launch(tmp_path, tie=True)
+    try:
+        watcher = [p for p in _group(server) if p != server][0]
+        os.kill(server, signal.SIGKILL)  # only the server: the watcher must notice and exit by itself
+        t0 = time.monotonic()
+        while tether.start_time(watcher) is not None and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert tether.start_time(watcher) is None
+        assert launcher.poll() is None  # the launcher is not touched
+    finally:
+        launcher.kill()
+        launcher.wait()
+        _kill_group(server)
+
+
+class _Lines:
+    def __init__(self, into):
+        self.into = into
+
+    def write(self, s):
+        self.into.extend(ln for ln in s.splitlines() if ln.strip())
+
+    def flush(self):
+        pass
+
+
+def test_a_restart_reports_and_stops_leftovers_and_nothing_else(tmp_path):
+    # an untied server (as left by a watcher that was itself killed) outlives its SIGKILLed launcher
+    dead, leftover = _launch(tmp_path, tie=False)
+    live, running_server = _launch(tmp_path, tie=True)  # a live start's own server in the same directory
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        time.sleep(1.0)
+        assert _group(leftover), "the untied server should outlive its launcher"
+        # a record naming a live pid with another start time (a pid reused since): removed, never killed
+        reused = tmp_path / "pids" / f"{os.uname().nodename}.{bystander.pid}.json"
+        entry = json.loads(next((tmp_path / "pids").glob(f"*.{leftover}.json")).read_text())
+        reused.write_text(json.dumps({**entry, "pid": bystander.pid, "start": tether.start_time(bystander.pid) - 1}))
+        lines = []
+        assert tether.sweep(tmp_path, out=_Lines(lines)) == [leftover]
+        assert len(lines) == 1 and f"pid {leftover}" in lines[0] and "test server" in lines[0], lines
+        assert not _group(leftover)
+        assert bystander.poll() is None and not reused.exists()
+        assert len(_group(running_server)) == 2  # the live start's server and its watcher: untouched
+        remaining = sorted(p.name for p in (tmp_path / "pids").glob("*.json"))
+        assert remaining == [f"{os.uname().nodename}.{running_server}.json"], remaining
+    finally:
+        for p in (dead, live, bystander):
+            p.kill()
+            p.wait()
+        _kill_group(leftover)
+        _wait_gone(running_server, 10.0)
+        _kill_group(running_server)
