@@ -1,8 +1,13 @@
 """Megatron-LM arguments (or a megatron-core ``TransformerConfig``) -> OPID's model: an architecture dict
 (:func:`opid_mega.megatron.model.arch_of`) and the ``TransformerConfig`` OPID's model is built with.
 
-The arguments are read with Megatron-LM's names and, where one is missing, Megatron-LM's default (so a Namespace means
+The arguments are read under the names Megatron-LM's parser stores them (its destinations: ``--norm-epsilon`` lands in
+``layernorm_epsilon``, ``--apply-layernorm-1p`` in ``layernorm_zero_centered_gamma``, because Megatron-LM declares both
+through ``TransformerConfig``'s field metadata) and, where one is missing, Megatron-LM's default (so a Namespace means
 what it would mean to Megatron-LM: e.g. no ``position_embedding_type`` is ``learned_absolute``, which OPID rejects).
+:data:`MEGATRON_LM_FLAGS` is the flag -> destination table (checked against Megatron-LM's own parser at core_v0.16.1,
+core_v0.19.0 and main by tests/compat/test_megatron_lm_args.py); a namespace holding a flag-shaped name Megatron-LM never
+stores (``norm_epsilon``, ``apply_layernorm_1p``) is an error naming the destination, not a silently ignored value.
 The model-shape fields map as Megatron-LM's ``core_transformer_config_from_args`` maps them (``num_query_groups`` only
 with ``group_query_attention``; ``kv_channels`` defaults to hidden / heads; ``ffn_hidden_size`` to Megatron-LM's rule;
 ``padded_vocab_size``, else ``vocab_size`` padded to ``make_vocab_size_divisible_by`` x TP as Megatron-LM pads it).
@@ -27,8 +32,8 @@ MEGATRON_LM_DEFAULTS = dict(
     num_query_groups=1, kv_channels=None, padded_vocab_size=None, vocab_size=None, make_vocab_size_divisible_by=128,
     max_position_embeddings=None, seq_length=None, position_embedding_type="learned_absolute", rotary_base=10000,
     rotary_percent=1.0, use_rope_scaling=False, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
-    normalization="LayerNorm", norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=False, squared_relu=False,
-    quick_geglu=False, add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False, qk_l2_norm=False,
+    normalization="LayerNorm", layernorm_epsilon=1e-5, layernorm_zero_centered_gamma=False, swiglu=False,
+    squared_relu=False, quick_geglu=False, add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False, qk_l2_norm=False,
     untie_embeddings_and_output_weights=False, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
     num_experts=None, mtp_num_layers=None, multi_latent_attention=False, window_size=None,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
@@ -37,6 +42,19 @@ MEGATRON_LM_DEFAULTS = dict(
     decoder_last_pipeline_num_layers=None, bf16=False, fp16=False, recompute_granularity=None,
     recompute_method=None, recompute_num_layers=None,
 )
+
+# Megatron-LM's flag for each destination read here (every one above except virtual_pipeline_model_parallel_size,
+# which Megatron-LM's validate_args derives and no flag sets).
+MEGATRON_LM_FLAGS = {name: "--" + name.replace("_", "-") for name in MEGATRON_LM_DEFAULTS
+                     if name != "virtual_pipeline_model_parallel_size"}
+MEGATRON_LM_FLAGS.update(layernorm_epsilon="--norm-epsilon", layernorm_zero_centered_gamma="--apply-layernorm-1p",
+                         add_bias_linear="--disable-bias-linear")
+
+# Names shaped like a flag that Megatron-LM's parser never stores: a namespace carrying one was not made by it.
+NOT_MEGATRON_LM_DESTINATIONS = dict(norm_epsilon="layernorm_epsilon", apply_layernorm_1p="layernorm_zero_centered_gamma")
+
+
+_ABSENT = object()
 
 
 class UnsupportedSettings(ValueError):
@@ -77,6 +95,10 @@ def _problems(args) -> list[str]:
         if not ok:
             out.append(f"{flag}={value!r}: {why}")
 
+    for name, dest in NOT_MEGATRON_LM_DESTINATIONS.items():
+        value = args.get(name, _ABSENT) if isinstance(args, dict) else getattr(args, name, _ABSENT)
+        need(value is _ABSENT, f"args.{name}", value,
+             f"not a Megatron-LM destination: its parser stores --{name.replace('_', '-')} as args.{dest}")
     for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                        ("num_attention_heads", "--num-attention-heads")):
         need(isinstance(g(name), int) and g(name) > 0, flag, g(name), "a positive integer is required")
@@ -94,7 +116,8 @@ def _problems(args) -> list[str]:
          g("rotary_seq_len_interpolation_factor"), "RoPE interpolation is not supported")
     need(g("normalization") == "RMSNorm", "--normalization", g("normalization"),
          "OPID's model needs RMSNorm (TransformerConfig.normalization)")
-    need(not g("apply_layernorm_1p"), "--apply-layernorm-1p", g("apply_layernorm_1p"),
+    need(not g("layernorm_zero_centered_gamma"), "--apply-layernorm-1p (layernorm_zero_centered_gamma)",
+         g("layernorm_zero_centered_gamma"),
          "zero-centred norm weights are not supported (TransformerConfig.layernorm_zero_centered_gamma)")
     need(g("swiglu") and not g("squared_relu") and not g("quick_geglu"), "--swiglu", g("swiglu"),
          "OPID's model needs a SwiGLU MLP: pass --swiglu (TransformerConfig: gated_linear_unit=True, "
@@ -150,7 +173,7 @@ def arch_from_args(args) -> dict:
     return dict(
         model_type="megatron", hidden=hidden, ffn=ffn, layers=g("num_layers"), heads=heads,
         kv_heads=g("num_query_groups") if g("group_query_attention") else heads,
-        head_dim=g("kv_channels") or hidden // heads, vocab=padded_vocab_size(args), eps=float(g("norm_epsilon")),
+        head_dim=g("kv_channels") or hidden // heads, vocab=padded_vocab_size(args), eps=float(g("layernorm_epsilon")),
         rope_theta=float(g("rotary_base")), qkv_bias=bool(g("add_qkv_bias")), qk_norm=bool(g("qk_layernorm")),
         tied=not g("untie_embeddings_and_output_weights"),
         max_pos=g("max_position_embeddings") or g("seq_length") or 4096,
@@ -188,8 +211,8 @@ def args_from_transformer_config(tc, *, padded_vocab_size: int, max_position_emb
         num_query_groups=tc.num_query_groups, kv_channels=tc.kv_channels, padded_vocab_size=padded_vocab_size,
         max_position_embeddings=max_position_embeddings, position_embedding_type=position_embedding_type,
         rotary_base=rotary_base, rotary_interleaved=getattr(tc, "rotary_interleaved", False),
-        normalization=tc.normalization, norm_epsilon=tc.layernorm_epsilon,
-        apply_layernorm_1p=getattr(tc, "layernorm_zero_centered_gamma", False),
+        normalization=tc.normalization, layernorm_epsilon=tc.layernorm_epsilon,
+        layernorm_zero_centered_gamma=getattr(tc, "layernorm_zero_centered_gamma", False),
         swiglu=bool(tc.gated_linear_unit and act is F.silu),
         add_bias_linear=tc.add_bias_linear, add_qkv_bias=tc.add_qkv_bias, qk_layernorm=tc.qk_layernorm,
         qk_l2_norm=getattr(tc, "qk_l2_norm", False),
@@ -217,7 +240,8 @@ def config_from_transformer_config(tc, **gpt_model_args):
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's command-line flags (names, destinations, defaults) for everything this module reads."""
+    """Megatron-LM's command-line flags (names, destinations, defaults) for everything this module reads: the same
+    flag -> destination pairs as Megatron-LM's parser (:data:`MEGATRON_LM_FLAGS`)."""
     d = MEGATRON_LM_DEFAULTS
     g = parser.add_argument_group("model (Megatron-LM flags)")
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -227,9 +251,12 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                  "context_parallel_size", "expert_model_parallel_size", "decoder_first_pipeline_num_layers",
                  "decoder_last_pipeline_num_layers", "recompute_num_layers"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
-    for name in ("rotary_percent", "norm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std"):
+    for name in ("rotary_percent", "hidden_dropout", "attention_dropout", "init_method_std"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
-    for name in ("group_query_attention", "use_rope_scaling", "rotary_interleaved", "apply_layernorm_1p", "swiglu",
+    g.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=d["layernorm_epsilon"])
+    g.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true")
+    g.add_argument("--padded-vocab-size", type=int, default=None)
+    for name in ("group_query_attention", "use_rope_scaling", "rotary_interleaved", "swiglu",
                  "squared_relu", "quick_geglu", "add_qkv_bias", "qk_layernorm", "qk_l2_norm",
                  "untie_embeddings_and_output_weights", "multi_latent_attention", "sequence_parallel", "bf16", "fp16"):
         g.add_argument("--" + name.replace("_", "-"), action="store_true")

@@ -96,7 +96,7 @@ BAD = [  # (attribute, value, text the error must contain)
     ("use_rope_scaling", True, "--use-rope-scaling"),
     ("rotary_interleaved", True, "--rotary-interleaved"),
     ("normalization", "LayerNorm", "--normalization"),
-    ("apply_layernorm_1p", True, "--apply-layernorm-1p"),
+    ("layernorm_zero_centered_gamma", True, "--apply-layernorm-1p"),
     ("swiglu", False, "--swiglu"),
     ("squared_relu", True, "--swiglu"),
     ("add_bias_linear", True, "--disable-bias-linear"),
@@ -257,7 +257,8 @@ def _plain_gpt(args, vocab):
 
     tc = _plain_tc(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                   kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+                   kv_channels=args.kv_channels, layernorm_epsilon=args.layernorm_epsilon,
+                   qk_layernorm=args.qk_layernorm,
                    add_qkv_bias=args.add_qkv_bias, init_method_std=0.02)
     return GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
                                                                               normalization="RMSNorm"),
