@@ -100,6 +100,43 @@ def feeders(servers: list, ranks: list) -> dict:
     return out
 
 
+def open_store(host: str, world_size: int, timeout):
+    """(TCPStore, its listening fd): a store served by this process on `host` only (an IP address: loopback when every
+    member runs on this machine, else this node's cluster address), never on every address as TCPStore(host, 0, ...)
+    listens. The socket is bound here and handed over (master_listen_fd: the store owns the fd from then on and closes
+    it when it ends). Pass the fd to `close_listener` once every member has connected: the members keep their
+    connections, anyone else is refused from then on."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(128)
+        store = TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    return store, listener.detach()
+
+
+def close_listener(fd: int) -> None:
+    """Stop a store made by `open_store` from taking new connections; the established ones go on (the store's server
+    keeps serving them). shutdown(), never close(): the fd is the store's until it ends."""
+    import socket
+
+    s = socket.socket(fileno=fd)
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()
+
+
 def _is_local(url: str) -> bool:
     """The engine at `url` runs on this machine (opid_mega.infra.hosts: exact host comparison, never a substring)."""
     from opid_mega.infra.hosts import is_local_url
@@ -488,13 +525,13 @@ class WeightSync:
         host = LOOPBACK if _is_local(e.url) else bind_host(self.cfg.deploy.bind_host, target=url_host(e.url))
         import datetime
 
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore
 
         timeout = datetime.timedelta(seconds=min(600.0, float(self.cfg.deploy.control_timeout_s)))
         # Rank 0 hosts the group's store itself: init_custom_process_group's tcp:// rendezvous would not, under
         # torchrun (TORCHELASTIC_USE_AGENT_STORE makes every rank a client of a store nobody serves: both sides
-        # then wait until the timeout). Port 0: the store takes a free one.
-        store = TCPStore(host, 0, 1 + e.tp_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        # then wait until the timeout). On `host` alone (open_store), and only until the group's first update.
+        store, listener = open_store(host, 1 + e.tp_size, timeout)
         port = store.port
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         name = f"opid_weights_{port}"
@@ -518,6 +555,8 @@ class WeightSync:
             raise err["e"]
         self._stores = getattr(self, "_stores", {})
         self._stores[e.url] = store  # the group's store lives as long as the group
+        self._open_listeners = getattr(self, "_open_listeners", {})
+        self._open_listeners[e.url] = listener  # until the group's first update went through (_via_distributed)
         self.groups[e.url] = (group, name)
         return self.groups[e.url]
 
@@ -546,6 +585,10 @@ class WeightSync:
         finally:
             for e in started:
                 e.end_update(version if ok else None)
+        for url in groups:  # every rank of these groups is connected now: the stores take no new connection
+            listener = getattr(self, "_open_listeners", {}).pop(url, None)
+            if listener is not None:
+                close_listener(listener)
         return sent
 
     # ---- the probe check ----------------------------------------------------------------------------------------

@@ -359,9 +359,10 @@ class SGLangEngine:
                 raise
             self.start_time_s = time.monotonic() - t0
         info = self._request("GET", "/server_info", retries=self.max_retries)
-        if isinstance(info, dict):  # it lists the server's arguments: never keep a key in what may be dumped
-            info = {k: ("***" if k in ("api_key", "admin_api_key") and v else v) for k, v in info.items()}
-        self.server_info = info
+        from opid_mega.infra.redact import redact_tree
+
+        # it lists the server's arguments (a launch command among them): never keep a key in what may be dumped
+        self.server_info = info = redact_tree(info, [self._api_key] if self._api_key else [])
         self.tp_size = int(info.get("tp_size", 1) or 1) if isinstance(info, dict) else 1
 
     @property

@@ -232,3 +232,24 @@ def test_transient_errors_are_retried_with_capped_backoff(fake_sglang, monkeypat
     assert waits[3:] == [0.05]  # one wait between the 2 attempts; each call starts at backoff_s again
     engine.shutdown()  # attached: the server is left running
     assert flaky.thread.is_alive()
+
+
+def test_engine_keeps_only_the_masked_server_info(fake_sglang):
+    """SGLang's /server_info lists the server's arguments, the API key among them: the engine keeps it masked."""
+    key = "k3y-Secret-42xyz"
+    info = {"tp_size": 2, "api_key": key, "argv": ["python", "-m", "sglang.launch_server", "--api-key", key],
+            "launch_command": f"python -m sglang.launch_server --api-key={key} --tp 2"}
+
+    class Routes:
+        def get(self, path):
+            return (200, info) if path == "/server_info" else None
+
+        def post(self, path, body):
+            return None
+
+    engine = SGLangEngine(url=fake_sglang(routes=Routes()).url, api_key=key, startup_timeout_s=10)
+    try:
+        assert key not in repr(engine.server_info) and engine.tp_size == 2
+        assert engine.server_info["launch_command"] == "python -m sglang.launch_server --api-key=*** --tp 2"
+    finally:
+        engine.shutdown()

@@ -38,6 +38,52 @@ def test_buckets_group_by_size_and_keep_caller_buckets():
     assert [len(b) for b in _buckets(iter([ts[:3], ts[3:]]), 1)] == [3, 2]
 
 
+def _listeners(port: int) -> list:
+    """Local addresses listening on TCP `port` (from /proc/net/tcp{,6}; state 0A is LISTEN)."""
+    import ipaddress
+
+    out = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                raw = bytes.fromhex(addr)  # little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append(str(ipaddress.ip_address(raw)))
+    return out
+
+
+def test_update_store_listens_on_its_address_alone_and_only_until_the_group_formed():
+    """The weight-update group's store: bound to the address given (loopback here), never to every address; once
+    close_listener ran (after the group's first update) its members keep working and a new connection is refused."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from opid_mega.megatron.weight_sync import close_listener, open_store
+
+    timeout = datetime.timedelta(seconds=5)
+    store, fd = open_store("127.0.0.1", 2, timeout)
+    port = store.port
+    assert _listeners(port) == ["127.0.0.1"]  # TCPStore("127.0.0.1", 0, ...) alone listens on [::]
+    member = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    member.set("k", "v1")
+    close_listener(fd)
+    assert _listeners(port) == []
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    store.set("k", "v2")  # both established connections still work, both ways
+    assert member.get("k") == b"v2"
+    member.set("j", "w")
+    assert store.get("j") == b"w"
+
+
 @pytest.fixture(scope="module")
 def rig(tiny_qwen3, tmp_path_factory, sglang_pool):
     """The engine: a shared server of the session pool (tests/rollout/conftest.py), left serving other weights (the
