@@ -25,7 +25,9 @@ What a node is, as on a real cluster:
 * the same file system as this machine (a shared cluster file system), the same users, the same CPUs.
 * commands get the node's identity in the environment: NODE_RANK, NODE_ADDR, NODE_NAME, NNODES, MASTER_ADDR (node
   0's address), and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = eth0 (the interface gloo and NCCL must use: without
-  them gloo picks the address its host name resolves to, 127.0.1.1 above). In the CLI's command, {node}, {addr},
+  them gloo picks the address its host name resolves to, 127.0.1.1 above). `interface_env=False` /
+  `--no-interface-env` leaves out NODE_ADDR, GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, as a user's shell on a real
+  cluster would (tools/launch/torchrun.sh then finds the interface itself). In the CLI's command, {node}, {addr},
   {name}, {nnodes} and {master} are replaced by the same values.
 
 Everything it made is removed however it ends (normal exit, an exception, Ctrl-C, SIGTERM/SIGHUP, interpreter exit):
@@ -174,7 +176,7 @@ class Node:
 class Cluster:
     """N simulated nodes (see the module docstring). A context manager; `close()` is idempotent."""
 
-    def __init__(self, nodes: int = 2, *, prefix: str = PREFIX, stock_hosts: bool = True):
+    def __init__(self, nodes: int = 2, *, prefix: str = PREFIX, stock_hosts: bool = True, interface_env: bool = True):
         if not 1 <= int(nodes) <= 200:
             raise ValueError(f"nodes={nodes}: allowed 1..200")
         self.prefix = prefix
@@ -182,6 +184,7 @@ class Cluster:
         self.switch = f"{self.tag}-switch"
         self.nodes = [Node(k, f"node{k}", f"{self.tag}-node{k}", f"{SUBNET_BASE}{k + 1}") for k in range(int(nodes))]
         self.stock_hosts = stock_hosts
+        self.interface_env = interface_env
         self._procs: list[subprocess.Popen] = []
         self._made: list[str] = []
         self._closed = False
@@ -295,8 +298,11 @@ class Cluster:
     def node_env(self, k: int) -> dict:
         """The variables that tell a command which node it runs on."""
         n = self.nodes[k]
-        return {"NODE_RANK": str(k), "NODE_ADDR": n.addr, "NODE_NAME": n.name, "NNODES": str(len(self.nodes)),
-                "MASTER_ADDR": self.nodes[0].addr, "GLOO_SOCKET_IFNAME": n.ifname, "NCCL_SOCKET_IFNAME": n.ifname}
+        env = {"NODE_RANK": str(k), "NODE_NAME": n.name, "NNODES": str(len(self.nodes)),
+               "MASTER_ADDR": self.nodes[0].addr}
+        if self.interface_env:
+            env.update(NODE_ADDR=n.addr, GLOO_SOCKET_IFNAME=n.ifname, NCCL_SOCKET_IFNAME=n.ifname)
+        return env
 
     def format(self, k: int, arg: str) -> str:
         """{node}, {addr}, {name}, {nnodes}, {master} in `arg` replaced by node k's values (other braces kept)."""
@@ -317,6 +323,9 @@ class Cluster:
         if not self._started or self._closed:
             raise ClusterError("the cluster is not running (use `with Cluster(...)` or start())")
         full = {**(os.environ if env is None else env), **self.node_env(k)}
+        if not self.interface_env:  # as a user's shell: nothing of this process's own settings either
+            for key in ("NODE_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                full.pop(key, None)
         kwargs.setdefault("start_new_session", True)
         p = subprocess.Popen(self.command(k, argv), env=full, **kwargs)
         self._procs.append(p)
@@ -384,6 +393,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds before every node is stopped [none]")
     p.add_argument("--no-stock-hosts", action="store_true",
                    help="leave out the stock-Debian line mapping a node's own name to 127.0.1.1")
+    p.add_argument("--no-interface-env", action="store_true",
+                   help="leave NODE_ADDR, GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unset in the nodes' commands")
     p.add_argument("--cleanup", action="store_true", help="remove what dead runs of this tool left, and exit")
     a = p.parse_args(own)
     reason = unavailable_reason()
@@ -397,7 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if not cmd:
         p.error("no command (give it after --)")
-    with Cluster(a.nodes, stock_hosts=not a.no_stock_hosts) as c:
+    with Cluster(a.nodes, stock_hosts=not a.no_stock_hosts, interface_env=not a.no_interface_env) as c:
         for n in c.nodes:
             print(f"cluster_sim.py: node {n.index}: {n.name} {n.addr} ({n.netns})", file=sys.stderr, flush=True)
         procs = [c.popen(k, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(a.nodes)]

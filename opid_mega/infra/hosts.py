@@ -172,6 +172,51 @@ def bind_host(spec: str = "auto", target: Optional[str] = None) -> str:
     return addr
 
 
+def interface_of(addr: str) -> Optional[str]:
+    """The name of the network interface that holds IPv4 address `addr` (None: no interface here has it)."""
+    for _, name in socket.if_nameindex():
+        if interface_address(name) == addr:
+            return name
+    return None
+
+
+def socket_ifname(rendezvous: str, nodes: int, node_addr: str = "") -> str:
+    """The interface gloo and NCCL use on this node (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when the user set
+    none): the interface holding `node_addr` (this node's cluster address, the launcher's NODE_ADDR) when given, else
+    the one that routes to the rendezvous host (deploy.bind_host=auto's rule). A rendezvous host on this machine's
+    loopback in a one-node run, or spelled as loopback (localhost, 127.0.0.1: every node on this machine): the
+    loopback interface (nothing listens on the network). On a multi-node run, a host NAME that resolves to loopback
+    here (a stock Debian/Ubuntu /etc/hosts maps the node's own name to 127.0.1.1) tells no cluster interface:
+    BindHostError, one line naming the fix."""
+    fix = "set NODE_ADDR to this node's cluster address (or GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to its interface)"
+    if node_addr:
+        addrs = [a for a in _resolve(node_addr.strip("[]")) if _ip(a) is not None and _ip(a).version == 4]
+        name = next((n for n in (interface_of(a) for a in addrs) if n), None)
+        if name is None:
+            raise BindHostError(f"NODE_ADDR={node_addr} is not an IPv4 address of an interface of this node "
+                                f"({socket.gethostname()}); {fix}")
+        return name
+    target = rendezvous.strip().strip("[]")
+    addrs = _resolve(target)
+    if not addrs:
+        raise BindHostError(f"the rendezvous host {target!r} does not resolve on this node ({socket.gethostname()}); "
+                            "give RDZV_ENDPOINT as node 0's cluster address")
+    loop = [a for a in addrs if _ip(a) is not None and _ip(a).is_loopback]
+    if loop:
+        named = target.lower() != "localhost" and _ip(target) is None  # a host name, not loopback by its spelling
+        if nodes <= 1 or not named:  # one node, or every node on this machine (localhost, 127.0.0.1)
+            return interface_of(LOOPBACK) or "lo"
+        raise BindHostError(f"the rendezvous host {target!r} resolves to {loop[0]} (loopback) on this node "
+                            f"({socket.gethostname()}) in a {nodes}-node run, which names no cluster interface; {fix}, "
+                            "or give RDZV_ENDPOINT as node 0's cluster address")
+    src = route_source(target)
+    name = interface_of(src) if src else None
+    if name is None:
+        raise BindHostError(f"no interface of this node ({socket.gethostname()}) routes to the rendezvous host "
+                            f"{target!r}; {fix}")
+    return name
+
+
 def new_api_key() -> str:
     """A fresh random API key (256 bits, URL-safe)."""
     return secrets.token_urlsafe(32)
@@ -181,3 +226,24 @@ def run_api_key() -> str:
     """The API key of a run's launched servers and router: $OPID_SGLANG_API_KEY when the operator set one (to reach
     the servers by hand; it is then in the trainer's environment, their choice), else a fresh random one."""
     return os.environ.get(API_KEY_ENV, "").strip() or new_api_key()
+
+
+def main(argv: Optional[list] = None) -> int:
+    """`python -m opid_mega.infra.hosts socket-ifname RENDEZVOUS_HOST NODES [NODE_ADDR]`: print socket_ifname's
+    answer; a BindHostError is one line on stderr and exit code 2 (tools/launch/torchrun.sh)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) not in (3, 4) or args[0] != "socket-ifname" or not args[2].isdigit():
+        print("usage: python -m opid_mega.infra.hosts socket-ifname RENDEZVOUS_HOST NODES [NODE_ADDR]", file=sys.stderr)
+        return 2
+    try:
+        print(socket_ifname(args[1], int(args[2]), args[3] if len(args) == 4 else ""))
+    except BindHostError as exc:
+        print(f"opid: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -209,3 +209,36 @@ def test_deploy_bind_host_is_validated():
     for bad in ("0.0.0.0", "a b", "::"):
         with pytest.raises(ConfigError, match="deploy.bind_host"):
             load_config(None, [f"deploy.bind_host={bad}"])
+
+
+def test_socket_ifname_follows_node_addr_then_the_route_and_refuses_a_name_on_loopback(monkeypatch):
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when unset (tools/launch/torchrun.sh): the interface holding NODE_ADDR,
+    else the one routing to the rendezvous host; loopback for a one-node run or a rendezvous spelled as loopback; a
+    host NAME resolving to loopback on a multi-node run is one line naming the fix."""
+    import socket
+
+    from opid_mega.infra import hosts
+
+    lo = hosts.interface_of("127.0.0.1")
+    assert lo is not None and hosts.interface_address(lo) == "127.0.0.1"
+    assert hosts.socket_ifname("localhost", 1) == lo and hosts.socket_ifname("127.0.0.1", 4) == lo
+    others = [(name, hosts.interface_address(name)) for _, name in socket.if_nameindex()]
+    others = [(n, a) for n, a in others if a and not a.startswith("127.")]
+    if others:  # an interface with a real address: it is found by its address and by the route to it
+        name, addr = others[0]
+        assert hosts.socket_ifname("localhost", 2, node_addr=addr) == name
+        assert hosts.socket_ifname(addr, 2) == name
+    with pytest.raises(hosts.BindHostError, match="NODE_ADDR=192.0.2.250 is not an IPv4 address of an interface"):
+        hosts.socket_ifname("localhost", 2, node_addr="192.0.2.250")
+    # a stock Debian/Ubuntu /etc/hosts: this node's own name on 127.0.1.1
+    real = hosts._resolve
+    monkeypatch.setattr(hosts, "_resolve", lambda h: ["127.0.1.1"] if h == "node0" else real(h))
+    assert hosts.socket_ifname("node0", 1) == lo  # one node: nothing needs the network
+    with pytest.raises(hosts.BindHostError) as e:
+        hosts.socket_ifname("node0", 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "'node0' resolves to 127.0.1.1 (loopback)" in msg and "set NODE_ADDR" in msg
+    r = subprocess.run([sys.executable, "-m", "opid_mega.infra.hosts", "socket-ifname", "nosuch.invalid", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert "'nosuch.invalid' does not resolve" in r.stderr

@@ -28,6 +28,8 @@
 #   RDZV_BACKEND    c10d | static [c10d]
 #   MAX_RESTARTS    torchrun --max-restarts [0]
 #   PYTHON          the interpreter [python3 on PATH]
+#   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME  the interface of the ranks' gloo / NCCL traffic [the interface holding
+#                   NODE_ADDR, else the one that routes to the rendezvous host: lo in a one-node run]
 #   OMP_NUM_THREADS torch threads per rank [the cores this node may use / NPROC_PER_NODE, as opid-train's own]
 #   OPID_LAUNCH_DRY_RUN=1  check and print the torchrun command, do not run it
 #
@@ -68,6 +70,15 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
 fi
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-opid-${USER:-$(id -un)}}}"
 
+# the interface gloo and NCCL use, unless set: the one holding NODE_ADDR, else the one that routes to the rendezvous
+# host (loopback in a one-node run); a rendezvous host that resolves to loopback on a multi-node run is one line
+# naming the fix, exit 2 (opid_mega.infra.hosts.socket_ifname). Without it gloo takes the address the host name
+# resolves to: 127.0.1.1 under a stock Debian/Ubuntu /etc/hosts, which the other nodes cannot reach.
+if [[ -z "${GLOO_SOCKET_IFNAME:-}" || -z "${NCCL_SOCKET_IFNAME:-}" ]]; then
+  ifname="$("$PYTHON" -m opid_mega.infra.hosts socket-ifname "${RDZV_ENDPOINT%:*}" "$NNODES" "${NODE_ADDR:-}")" || exit 2
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
+fi
+
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
 if [[ "$RDZV_BACKEND" == static ]]; then
   host="${RDZV_ENDPOINT%:*}" port="${RDZV_ENDPOINT##*:}"
@@ -86,6 +97,6 @@ cmd+=(-m opid_mega.cli ${resume[@]+"${resume[@]}"} "$@")  # opid_mega.cli is opi
 # the command as shown: secret override values (analyzer.api_key=...) and --api-key values as *** (opid_mega.infra.redact)
 shown="$("$PYTHON" -c 'import shlex, sys; from opid_mega.infra.redact import redact_args; print(shlex.join(redact_args(sys.argv[1:])))' "${cmd[@]}" 2>/dev/null)" ||
   shown="$(printf '%q ' "${cmd[@]}" | sed -E 's/((^| )[^ =]*(api[_-]?key|token|password|secret)=)[^ ]*/\1***/Ig; s/(--api-key )[^ ]*/\1***/g')"
-echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS: $shown" >&2
+echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS, GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME: $shown" >&2
 if [[ "${OPID_LAUNCH_DRY_RUN:-0}" == 1 ]]; then exit 0; fi
 exec "${cmd[@]}"
