@@ -1,31 +1,36 @@
 #!/usr/bin/env python
-"""OPID in a Megatron-LM-style training script: the model from OPID's ``model_provider``, megatron-core DDP and
-optimizer, and OPID's PPO loss (with the skill term) through megatron-core's ``get_forward_backward_func``, on
-synthetic rollouts.
+"""OPID in a Megatron-LM-style training script: the model from OPID's ``model_provider`` (or its ``ModelBuilder``),
+megatron-core DDP and optimizer, and OPID's PPO loss (with the skill term) through megatron-core's
+``get_forward_backward_func``, on synthetic rollouts.
 
     python examples/megatron_lm_opid.py --train-iters 2                                   # 1 process: CPU/gloo or 1 GPU
     torchrun --nproc-per-node 2 examples/megatron_lm_opid.py --tensor-model-parallel-size 2
     torchrun --nproc-per-node 2 examples/megatron_lm_opid.py --pipeline-model-parallel-size 2
 
-Model flags are Megatron-LM's (``opid_mega.megatron.megatron_lm.add_megatron_lm_args``); the defaults make a tiny
-Llama-like model. In a Megatron-LM checkout the same provider plugs into ``get_model`` / ``pretrain`` where
-``gpt_builder`` goes (``pretrain_gpt.py``), and the loss into the forward step::
+Model flags are Megatron-LM's (``opid_mega.megatron.megatron_lm.add_megatron_lm_args``, stored where Megatron-LM's
+parser stores them); the defaults make a tiny Llama-like model. ``--model-builder`` builds it the way Megatron-LM from
+core_v0.19.0 does (``OpidGPTModelConfig`` -> its ``ModelBuilder``); the default is the ``model_provider`` path of the
+releases before. In a Megatron-LM checkout, the one line changed in ``pretrain_gpt.py``::
 
-    from functools import partial
-    from megatron.core.enums import ModelType
-    from megatron.training import get_model, pretrain
-    from model_provider import model_provider                         # Megatron-LM's own
+    # core_v0.16 - core_v0.18: pretrain(..., partial(model_provider, gpt_builder), ...) becomes
     from opid_mega.megatron.provider import opid_gpt_builder
+    pretrain(..., partial(model_provider, opid_gpt_builder), ...)
+
+    # core_v0.19.0 and later: model_cfg = gpt_config_from_args(args) becomes
+    from opid_mega.megatron.model_builder import OpidGPTModelConfig
+    model_cfg = gpt_config_from_args(args, model_config_cls=OpidGPTModelConfig)
+
+and OPID's loss goes into the forward step (``--calculate-per-token-loss``: ``ppo_loss_func`` returns the loss summed
+over tokens, the token count and metrics)::
+
     from opid_mega.megatron.logprobs import forward_step
     from opid_mega.megatron.train_step import LossConfig, ppo_loss_func
+    partial(forward_step, return_entropy=True, loss_func=partial(ppo_loss_func, cfg=LossConfig()))
 
-    model = get_model(partial(model_provider, opid_gpt_builder), ModelType.encoder_or_decoder)
-    # or: pretrain(datasets_provider, partial(model_provider, opid_gpt_builder), ModelType.encoder_or_decoder,
-    #              partial(forward_step, return_entropy=True, loss_func=partial(ppo_loss_func, cfg=LossConfig())))
-    # (opid_mega.megatron.provider.model_provider reads megatron.training.get_args() itself and can be passed as is;
-    #  add --calculate-per-token-loss: ppo_loss_func returns (loss summed over tokens, token count, metrics))
+What ``pretrain()`` can host, and what it cannot: docs/megatron.md ("Megatron-LM's pretrain()").
 
-megatron.training is not needed here: :func:`get_model` below calls the provider the way Megatron-LM's does.
+megatron.training is not needed here (except by ``--model-builder``): :func:`get_model` below calls the provider the
+way Megatron-LM's does.
 """
 import argparse
 import math
@@ -51,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--load", default=None, help="start from the model weights of this megatron-core distributed "
                    "checkpoint (OPID's or a Megatron-LM --save directory; like --finetune --no-load-optim --no-load-rng)")
+    t.add_argument("--model-builder", action="store_true",
+                   help="build the model as Megatron-LM >= core_v0.19.0's pretrain() does: OpidGPTModelConfig and its "
+                   "ModelBuilder's build_distributed_models (needs megatron.training.models; default: the "
+                   "model_provider path of Megatron-LM <= core_v0.18)")
     t.add_argument("--save", default=None, help="write an OPID/megatron-core distributed checkpoint here at the end")
     o = p.add_argument_group("OPID (synthetic rollouts)")
     o.add_argument("--tasks", type=int, default=2, help="GRPO groups per step")
@@ -72,7 +81,6 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
     """What ``megatron.training.get_model`` does, without Megatron-LM's globals: one provider call per (virtual)
     pipeline stage with the same keyword arguments, tensor-parallel defaults on every parameter, megatron-core DDP."""
     from megatron.core import parallel_state as ps, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if ps.get_pipeline_model_parallel_world_size() > 1 and vpp is not None:
@@ -85,12 +93,35 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
     for m in model:
         for param in m.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if not wrap_with_ddp:
-        return model
+    return wrap_ddp(model) if wrap_with_ddp else model
+
+
+def wrap_ddp(model):
+    """megatron-core DDP around each chunk, as Megatron-LM's ``get_model`` wraps them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(model)]
+
+
+def get_model_from_builder(arch: dict, tc):
+    """What Megatron-LM >= core_v0.19.0's ``setup_model_and_optimizer`` does with a model config: resolve its builder
+    and call ``build_distributed_models`` (one chunk per virtual stage). The config is the ``GPTModelConfig`` that
+    ``gpt_config_from_args(args, model_config_cls=OpidGPTModelConfig)`` makes in ``pretrain_gpt.py``, written out here
+    from the same flags. Megatron-LM's own DDP wrapping there needs CUDA streams, so the chunks are wrapped here as
+    :func:`get_model` wraps them."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from opid_mega.megatron.model_builder import OpidGPTModelConfig
+
+    cfg = OpidGPTModelConfig(transformer=tc, vocab_size=arch["vocab"], should_pad_vocab=False,
+                             seq_length=arch["max_pos"], share_embeddings_and_output_weights=arch["tied"],
+                             position_embedding_type="rope", rotary_base=arch["rope_theta"])
+    chunks = cfg.get_builder_cls()(cfg).build_distributed_models(  # the chunks are already in the model's dtype
+        ProcessGroupCollection.use_mpu_process_groups(), wrap_with_ddp=False, mixed_precision_wrapper=None)
+    return wrap_ddp(chunks)
 
 
 def synthetic_rollouts(args, chunks, reference, gen: torch.Generator):
@@ -175,7 +206,7 @@ def main(argv=None) -> int:
     parallel.initialize(tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
                         tc.virtual_pipeline_model_parallel_size, seed=args.seed)
     last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    model = get_model(make_model_provider(args))
+    model = get_model_from_builder(arch, tc) if args.model_builder else get_model(make_model_provider(args))
     chunks = [m.module for m in model]
     if args.load:  # weights only, resharded to this layout; before the optimizer copies the parameters
         loaded = checkpoint.load_model(args.load, chunks)

@@ -6,8 +6,8 @@ The arguments are read under the names Megatron-LM's parser stores them (its des
 through ``TransformerConfig``'s field metadata) and, where one is missing, Megatron-LM's default (so a Namespace means
 what it would mean to Megatron-LM: e.g. no ``position_embedding_type`` is ``learned_absolute``, which OPID rejects).
 :data:`MEGATRON_LM_FLAGS` is the flag -> destination table (checked against Megatron-LM's own parser at core_v0.16.1,
-core_v0.19.0 and main by tests/compat/test_megatron_lm_args.py); a namespace holding a flag-shaped name Megatron-LM never
-stores (``norm_epsilon``, ``apply_layernorm_1p``) is an error naming the destination, not a silently ignored value.
+core_v0.19.0 and main by tests/megatron/test_megatron_lm_args.py); a namespace holding a flag-shaped name Megatron-LM
+never stores (``norm_epsilon``, ``apply_layernorm_1p``) is an error naming the destination, not an ignored value.
 The model-shape fields map as Megatron-LM's ``core_transformer_config_from_args`` maps them (``num_query_groups`` only
 with ``group_query_attention``; ``kv_channels`` defaults to hidden / heads; ``ffn_hidden_size`` to Megatron-LM's rule;
 ``padded_vocab_size``, else ``vocab_size`` padded to ``make_vocab_size_divisible_by`` x TP as Megatron-LM pads it).
@@ -33,7 +33,8 @@ MEGATRON_LM_DEFAULTS = dict(
     max_position_embeddings=None, seq_length=None, position_embedding_type="learned_absolute", rotary_base=10000,
     rotary_percent=1.0, use_rope_scaling=False, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
     normalization="LayerNorm", layernorm_epsilon=1e-5, layernorm_zero_centered_gamma=False, swiglu=False,
-    squared_relu=False, quick_geglu=False, add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False, qk_l2_norm=False,
+    squared_relu=False, quick_geglu=False, add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False,
+    qk_l2_norm=False,
     untie_embeddings_and_output_weights=False, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
     num_experts=None, mtp_num_layers=None, multi_latent_attention=False, window_size=None,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
@@ -51,7 +52,8 @@ MEGATRON_LM_FLAGS.update(layernorm_epsilon="--norm-epsilon", layernorm_zero_cent
                          add_bias_linear="--disable-bias-linear")
 
 # Names shaped like a flag that Megatron-LM's parser never stores: a namespace carrying one was not made by it.
-NOT_MEGATRON_LM_DESTINATIONS = dict(norm_epsilon="layernorm_epsilon", apply_layernorm_1p="layernorm_zero_centered_gamma")
+NOT_MEGATRON_LM_DESTINATIONS = dict(norm_epsilon="layernorm_epsilon",
+                                    apply_layernorm_1p="layernorm_zero_centered_gamma")
 
 
 _ABSENT = object()
@@ -237,6 +239,33 @@ def config_from_transformer_config(tc, **gpt_model_args):
     """``(arch, TransformerConfig)`` for a megatron-core ``TransformerConfig`` (e.g. Megatron-LM's
     ``core_transformer_config_from_args``); ``gpt_model_args``: see :func:`args_from_transformer_config`."""
     return config_from_args(args_from_transformer_config(tc, **gpt_model_args))
+
+
+def args_from_gpt_model_config(cfg) -> argparse.Namespace:
+    """The Megatron-LM arguments a ``GPTModelConfig`` (Megatron-LM >= core_v0.19.0, ``megatron.training.models.gpt``;
+    what ``gpt_config_from_args`` builds) stands for: its ``transformer`` config plus its GPT-level fields. The
+    vocabulary is padded as its ``GPTModelBuilder`` pads it (``should_pad_vocab``: to a multiple of
+    ``make_vocab_size_divisible_by`` x TP). A custom ``transformer_layer_spec`` (``--spec``) or
+    ``fp16_lm_cross_entropy`` cannot be honoured and is an error naming the flag."""
+    tc = cfg.transformer
+    if cfg.transformer_layer_spec is not None:
+        raise UnsupportedSettings(f"--spec ({cfg.transformer_layer_spec!r}): OPID's model has its own layer spec")
+    if cfg.fp16_lm_cross_entropy:
+        raise UnsupportedSettings("--fp16-lm-cross-entropy=True: OPID computes log-probs and its loss in fp32")
+    if cfg.vocab_size is None:
+        raise UnsupportedSettings("vocab_size: the GPTModelConfig has no vocabulary size (--vocab-size)")
+    vocab = cfg.vocab_size
+    if cfg.should_pad_vocab:
+        multiple = cfg.make_vocab_size_divisible_by * tc.tensor_model_parallel_size
+        vocab = -(-vocab // multiple) * multiple
+    ns = args_from_transformer_config(
+        tc, padded_vocab_size=vocab, max_position_embeddings=cfg.seq_length, rotary_base=cfg.rotary_base,
+        untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type)
+    ns.rotary_percent = cfg.rotary_percent
+    ns.use_rope_scaling = cfg.rope_scaling
+    ns.rotary_seq_len_interpolation_factor = cfg.seq_len_interpolation_factor
+    return ns
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

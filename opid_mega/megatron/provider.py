@@ -1,18 +1,22 @@
-"""Megatron-LM's ``model_provider`` for OPID's model (:class:`opid_mega.megatron.model.OpidGPTModel`).
+"""Megatron-LM's ``model_provider`` for OPID's model (:class:`opid_mega.megatron.model.OpidGPTModel`), for Megatron-LM
+up to core_v0.18 (from core_v0.19.0 ``pretrain()`` builds the model through a ``ModelBuilder``:
+:mod:`opid_mega.megatron.model_builder`).
 
-Megatron-LM (core_v0.16 to main) builds the model with ``get_model(model_provider_func, ModelType.encoder_or_decoder)``,
-which calls, once per virtual pipeline stage (or once without interleaving)::
+There ``get_model(model_provider_func, ModelType.encoder_or_decoder)`` calls, once per virtual pipeline stage (or once
+without interleaving)::
 
     model_provider_func(pre_process=..., post_process=..., [vp_stage=i,] config=None, pg_collection=...)
 
-and ``pretrain_gpt.py`` passes ``partial(model_provider, gpt_builder)`` with
+and ``pretrain_gpt.py`` passes ``partial(model_provider, gpt_builder)`` to ``pretrain`` (core_v0.16/0.17:
+``pretrain(datasets_provider, partial(model_provider, gpt_builder), ...)``; core_v0.18:
+``pretrain(full_config, datasets_provider, partial(model_provider, gpt_builder), ...)``) with
 ``gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None)``. Both shapes
 exist here:
 
 - :func:`model_provider` -- the provider itself; the arguments come from ``megatron.training.get_args()`` (as in
   Megatron-LM) unless bound with ``args=`` (:func:`make_model_provider`, for scripts without megatron.training);
 - :func:`opid_gpt_builder` -- a drop-in for ``gpt_builder``: ``partial(model_provider, opid_gpt_builder)`` with
-  Megatron-LM's own ``model_provider``.
+  Megatron-LM's own ``model_provider``, the one change in ``pretrain_gpt.py``.
 
 The arguments are Megatron-LM's (:mod:`opid_mega.megatron.megatron_lm` maps and checks them); a ``config`` that
 Megatron-LM hands over (a megatron-core ``TransformerConfig``) is checked and mapped the same way, with the vocabulary,
@@ -36,7 +40,7 @@ def _megatron_lm_args():
     return get_args()
 
 
-def _check_parallel_state(tc) -> None:
+def check_parallel_state(tc) -> None:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -63,7 +67,7 @@ def opid_gpt_builder(args, pre_process: bool, post_process: bool, vp_stage: Opti
             rotary_base=get_arg(args, "rotary_base"),
             untie_embeddings_and_output_weights=get_arg(args, "untie_embeddings_and_output_weights"),
             position_embedding_type=get_arg(args, "position_embedding_type"))
-    _check_parallel_state(tc)
+    check_parallel_state(tc)
     return build_chunk(arch, tc, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                        pg_collection=pg_collection)
 
