@@ -283,8 +283,9 @@ class TrainConfig:
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
     mini_batch_size: int = 256  # step-samples per optimizer step
-    # Mini-batches in rollout order (trajectory by trajectory, each trajectory's steps in order), as the reference
-    # takes them; true: a seeded shuffle of the step-samples before each PPO epoch (this project's earlier default)
+    # Mini-batches are not shuffled, as the reference's: in rollout order (trajectory by trajectory, each trajectory's
+    # steps in order), or in the reference's token-balanced order with train.balance_ranks; true: a seeded shuffle of
+    # the step-samples before each PPO epoch (this project's earlier default)
     shuffle_minibatches: bool = False
     micro_batch_tokens: int = 8192  # token budget per packed micro-batch
     # Step-samples per micro-batch of the reference's loss aggregation (algo.loss_agg=token-mean-micro only; the paper's
@@ -292,6 +293,15 @@ class TrainConfig:
     # each micro-batch's token mean averaged over them, independent of the packing above. 0: the packed micro-batches
     # are the loss's micro-batches.
     micro_batch_size: int = 0
+    # The reference's batch padding: N > 0 appends copies of randomly drawn distinct step-samples (seeded by
+    # train.seed and the iteration) until their count is a multiple of N, before the advantage, so the copies enter
+    # their group's statistics and the loss (the reference pads to a multiple of its micro-batch size x 8 GPUs: 256
+    # ALFWorld and Search-QA, 128 WebShop). 0: no copies (ours: every step-sample counts once).
+    pad_multiple: int = 0
+    # The reference's mini-batch composition (its balance_batch): N > 0 balances the step-samples' tokens over N
+    # equal-size partitions (its data-parallel ranks: 8 GPUs) and mini-batch j takes the j-th slice of
+    # mini_batch_size / N samples of every partition; needs train.pad_multiple a multiple of N. 0: rollout order.
+    balance_ranks: int = 0
     ppo_epochs: int = 1
     seed: int = 1
     save_interval: int = 10
@@ -545,6 +555,8 @@ _CHECKS: dict[str, tuple] = {
     "train.mini_batch_size": _POSITIVE_INT,
     "train.micro_batch_tokens": _POSITIVE_INT,
     "train.micro_batch_size": (lambda v: v >= 0, "an integer >= 0 (0: the packed micro-batches)"),
+    "train.pad_multiple": (lambda v: v >= 0, "an integer >= 0 (0: no padding)"),
+    "train.balance_ranks": (lambda v: v >= 0, "an integer >= 0 (0: rollout order)"),
     "train.ppo_epochs": _POSITIVE_INT,
     "train.max_staleness": (lambda v: v >= 0, "an integer >= 0"),
     "train.behavior_weight_cap": (lambda v: v > 0, "a number > 0"),
@@ -738,6 +750,13 @@ def validate(cfg: Config, plugins: bool = True) -> Config:
         raise ConfigError(f"train.micro_batch_size: got {cfg.train.micro_batch_size} with algo.loss_agg="
                           f"{cfg.algo.loss_agg}, allowed: 0 (it sets the micro-batches of algo.loss_agg="
                           "token-mean-micro only)")
+    tr = cfg.train
+    if tr.balance_ranks and (not tr.pad_multiple or tr.pad_multiple % tr.balance_ranks
+                             or tr.mini_batch_size % tr.balance_ranks or tr.shuffle_minibatches):
+        raise ConfigError(f"train.balance_ranks: got {tr.balance_ranks} with train.pad_multiple={tr.pad_multiple}, "
+                          f"train.mini_batch_size={tr.mini_batch_size}, train.shuffle_minibatches="
+                          f"{str(tr.shuffle_minibatches).lower()}; allowed: 0, or a divisor of both (equal-size "
+                          "partitions of a padded batch) without the shuffle")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         raise ConfigError("parallel.sequence_parallel: got true with parallel.tp=1, allowed: true only with "
                           "parallel.tp > 1")

@@ -173,15 +173,18 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     switches), fits every skill into its section budget (`fit_section(skill, kind) -> (skill, section ids)`; an
     empty section is dropped) and audits each augmented prompt, once. grpo / skill_grpo score no skill context."""
     exp.analyses = list(analyses)
-    routes: list = []
+    per_traj: list = []
     for t, an in zip(exp.trajectories, exp.analyses):
         if an is None:
-            routes.extend({} for _ in t.steps)
+            per_traj.append([{} for _ in t.steps])
             continue
         steps = {k: v for k, v in an.step_skills.items() if 0 <= k < len(t.steps)}
-        routes.extend(algo.route_skills(len(t.steps), steps, an.episode_skill, mode=algo_cfg.routing,
-                                        use_episode=algo_cfg.use_episode, use_step=algo_cfg.use_step,
-                                        lambda_episode=algo_cfg.lambda_episode, lambda_step=algo_cfg.lambda_step))
+        per_traj.append(algo.route_skills(len(t.steps), steps, an.episode_skill, mode=algo_cfg.routing,
+                                          use_episode=algo_cfg.use_episode, use_step=algo_cfg.use_step,
+                                          lambda_episode=algo_cfg.lambda_episode,
+                                          lambda_step=algo_cfg.lambda_step))
+    # one route per row (a padded copy takes its original's)
+    routes = [per_traj[int(ti)][int(si)] for ti, si in zip(exp.traj_index, exp.step_index)]
     if algo_cfg.mode in ("grpo", "skill_grpo"):  # no λΔ term: only the original context is scored
         routes = [{} for _ in routes]
     per_sample, kinds, at_list, sections = [], [], [], []
@@ -207,6 +210,42 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     exp.skill_insert_at = np.asarray(at_list, np.int64)
     exp.section_offsets = csr_offsets([len(x) for x in sections])
     exp.section_tokens = _cat_int32(sections)
+
+
+def pad_to_multiple(exp: Experience, divisor: int, rng: np.random.Generator) -> int:
+    """The reference's batch padding (train.pad_batch): when the record's step-samples are not a multiple of
+    `divisor` (micro-batch size x data-parallel world), append copies of randomly drawn distinct step-samples
+    (opid_mega.batching.balance.padding_indices) until they are. A copy is a full step-sample of its trajectory
+    (same group and score), so it enters the group's outcome statistics, the skill routing and the loss like the
+    reference's duplicate. Call it on a fresh record, before any stage. Returns the number of copies."""
+    from opid_mega.batching.balance import padding_indices
+
+    if exp.analyses or exp.old_logprobs is not None or exp.skill_kinds:
+        raise ValueError("pad_to_multiple: the record has already been through a stage; pad a fresh record")
+    idx = padding_indices(exp.num_samples, int(divisor), rng)
+    if not idx.size:
+        return 0
+    rows = np.concatenate([np.arange(exp.num_samples), idx])
+    resp_at = csr_offsets(exp.resp_lens)
+    exp.engine_logprobs = np.concatenate([exp.engine_logprobs[resp_at[s]:resp_at[s + 1]] for s in rows])
+    seqs = [exp.sequence(int(s)) for s in rows]
+    exp.tokens = np.concatenate(seqs).astype(np.int32, copy=False)
+    exp.seq_offsets = csr_offsets([len(x) for x in seqs])
+    for name in ("traj_index", "step_index", "prompt_lens", "resp_lens", "groups", "scores", "invalid",
+                 "policy_version"):
+        setattr(exp, name, getattr(exp, name)[rows])
+    exp.steps = [exp.steps[int(s)] for s in rows]
+    exp.skill_offsets = np.zeros(len(rows) + 1, np.int64)
+    return int(idx.size)
+
+
+def minibatch_order(exp: Experience, ranks: int, mini_batch_size: int) -> np.ndarray:
+    """The reference's mini-batch composition (train.balance_ranks): the step-sample order whose consecutive
+    `mini_batch_size` slices are its mini-batches after balancing the batch's tokens (prompt + response) over
+    `ranks` data-parallel partitions (opid_mega.batching.balance.reference_minibatch_order)."""
+    from opid_mega.batching.balance import reference_minibatch_order
+
+    return reference_minibatch_order((exp.prompt_lens + exp.resp_lens).tolist(), int(ranks), int(mini_batch_size))
 
 
 # ---- the score stage ----------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     # λ = 0.001 (a question about the scale of λ, not a value tuned on success; one value, never varied)
     "opid_lambda0.1": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1",
                        "algo.lambda_step=0.1"),
-    # issue 15: the full-distribution signal (docs/algorithm.md "Beyond the sampled token") at the λ of
+    # the full-distribution signal (docs/algorithm.md "Beyond the sampled token") at the λ of
     # opid_lambda0.1 (at the reference's 0.001 the skill term is ~0.01% of the advantage, so any signal would be GRPO
     # plus noise)
     "full_kl": ("algo.mode=opid", "algo.placement=faithful", "algo.lambda_episode=0.1", "algo.lambda_step=0.1",

@@ -1,5 +1,5 @@
-"""Divergence-based skill signal and the skill-context distillation loss (issue 15; docs/algorithm.md "Beyond the
-sampled token").
+"""Divergence-based skill signal and the skill-context distillation loss (docs/algorithm.md "Beyond the sampled
+token").
 
 Inputs are the per-token outputs of `opid_mega.kernels.dual_context_divergence` (or any dict with the same keys):
 p_s = π(· | h ⊕ s, y_<t) (skill context, teacher, stop-gradient), p_o = π(· | h, y_<t) (original context, the

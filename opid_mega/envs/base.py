@@ -85,6 +85,9 @@ class Env:
     default_max_steps: int = 30
     default_success_reward: float = 10.0
     noop_action: str = ""  # what the agent loop steps for a response without an action: see the module docstring
+    # What the prompt history records for a response without an action: its last N lower-cased characters (None: the
+    # family's, prompts.UNPARSED_HISTORY_CHARS: 30 for <action> envs as the reference's ALFWorld, 0 for Search)
+    unparsed_history_chars: Optional[int] = None
     # Prompt template set (prompts.TEMPLATES: "reference" | "ours"; config env.template); make_env sets it
     prompt_template: str = prompts.DEFAULT_TEMPLATE
     # Deadline (seconds) of each reset/step, run in a daemon thread (None: the call runs in the caller's thread, no
@@ -201,6 +204,13 @@ class Env:
     def project_action(self, response_text: str) -> tuple[Optional[str], bool]:
         """(action to execute or None, valid) by the reference's rules (`prompts.project_action`)."""
         return prompts.project_action(response_text, family=self.family)
+
+    def history_action(self, response_text: str, action: Optional[str]) -> str:
+        """The action the prompt history records for this step (`prompts.history_action`): the projected action,
+        or for a response without one its last `unparsed_history_chars` lower-cased characters."""
+        n = self.unparsed_history_chars
+        return prompts.history_action(response_text, action,
+                                      prompts.UNPARSED_HISTORY_CHARS.get(self.family, 0) if n is None else n)
 
     def step_response(self, response_text: str) -> tuple[Optional[str], str, float, bool, dict[str, Any]]:
         """Project a full policy response and step: the extracted action, or the no-op when there is none;

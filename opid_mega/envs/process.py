@@ -37,7 +37,8 @@ from typing import Any, Optional
 from opid_mega.envs import prompts
 from opid_mega.envs.base import EnvError, EnvTimeout, Task, _preview
 
-_STATIC = ("name", "family", "prompt_family", "noop_action", "max_steps", "success_reward", "prompt_template")
+_STATIC = ("name", "family", "prompt_family", "noop_action", "unparsed_history_chars", "max_steps", "success_reward",
+           "prompt_template")
 _PROPERTIES = ("admissible_actions", "won", "done", "task", "task_description", "steps", "raw_obs") + _STATIC
 _OPTIONAL = ("task_pool", "prepare", "unprepared")  # forwarded only when the env in the worker has them
 _TASK_CALLS = frozenset(("tasks",) + _OPTIONAL)  # calls under `timeout` (they may generate games), not step_timeout_s
@@ -265,6 +266,11 @@ class ProcessEnv:
 
     def project_action(self, response_text: str):
         return prompts.project_action(response_text, family=self.family)
+
+    def history_action(self, response_text: str, action):
+        n = self.unparsed_history_chars
+        return prompts.history_action(response_text, action,
+                                      prompts.UNPARSED_HISTORY_CHARS.get(self.family, 0) if n is None else n)
 
     def step_response(self, response_text: str):
         return self._call("step_response", response_text)

@@ -286,6 +286,23 @@ def project_action(response_text: Optional[str], family: str = "action") -> tupl
     raise ValueError(f"unknown parse family {family!r}; expected 'action' or 'search'")
 
 
+# The prompt history records, for a response without an action, the last characters of the lower-cased response
+# (the reference's action projections: ALFWorld 30, WebShop 20; Search records "").
+UNPARSED_HISTORY_CHARS = {"action": 30, "search": 0}
+
+
+def history_action(response_text: Optional[str], action: Optional[str], tail_chars: int) -> str:
+    """The action the prompt history records for a step: the projected `action` when there is one, else the last
+    `tail_chars` characters of the lower-cased response ("" for tail_chars 0 or no response)."""
+    if action is not None:
+        return action
+    if tail_chars < 0:
+        raise ValueError(f"history_action: tail_chars must be >= 0, got {tail_chars}")
+    if not response_text or tail_chars == 0:
+        return ""
+    return response_text.lower()[-tail_chars:]
+
+
 def parse_action(response_text: Optional[str], family: str = "action") -> Optional[str]:
     """The action of a VALID response (see `project_action`), else None."""
     action, valid = project_action(response_text, family)

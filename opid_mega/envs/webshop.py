@@ -37,6 +37,7 @@ class WebShopEnv(Env):
     default_max_steps = 15
     default_success_reward = 10.0
     noop_action = ""  # an empty action is not sent to the server: the page stays as it is
+    unparsed_history_chars = 20  # the reference's WebShop projection keeps 20 characters (ALFWorld 30)
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, session_ranges: Optional[dict] = None,
                  max_steps: Optional[int] = None, success_reward: Optional[float] = None):

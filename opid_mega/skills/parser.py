@@ -7,8 +7,9 @@ facts: Parser edge cases").
   * in each, a non-strict JSON `raw_decode` at every `{` (control characters such as raw newlines and tabs inside
     strings are accepted; text after the object is ignored); the first object (a dict) holding an `episode_skill`
     key wins;
-  * only when no JSON object at all was found (in any candidate): `ast.literal_eval` on every balanced-brace slice
-    (python-style dicts: single quotes, True/None, int keys), the first dict holding `episode_skill` wins;
+  * in a candidate where no JSON object was found: `ast.literal_eval` on every balanced-brace slice (python-style
+    dicts: single quotes, True/None, int keys); objects are taken in candidate order and the first dict holding
+    `episode_skill` wins (a python-style dict in a fenced block wins over a JSON object elsewhere in the reply);
   * `episode_skill`: a non-string value goes through str() and is accepted (`null` -> "None"); an empty one is a
     parse failure; `episode_summary` a string (anything else counts as "");
   * `step_skills` (a dict; anything else counts as {}): every key through int() (a key int() refuses is dropped;
@@ -21,7 +22,7 @@ rules="ours" (analyzer.parser=ours) is this project's earlier, stricter choice o
 value is dropped (no "None" skill), of duplicate keys the first wins, only int keys and digit strings are step
 indices (float and bool keys are dropped), a non-string `episode_skill` is a parse failure; and the Python-literal
 fallback is tried in each candidate right after its JSON objects (so a python-style dict is found even when the
-reply also holds an unrelated JSON object).
+same candidate also holds an unrelated JSON object).
 
 Anything unusable raises `AnalysisParseError`, never another exception.
 
@@ -135,26 +136,24 @@ def _find_object_ours(text: str) -> dict | None:
 
 
 def _find_object_reference(text: str) -> tuple[dict | None, bool]:
-    """(the first JSON object holding the key, or else — only when no JSON object at all was found — the first
-    python-literal dict holding it; whether any JSON object was found)."""
+    """(the first object holding the key, in candidate order; whether any JSON object was found). Per candidate text
+    (each fenced block, then the whole reply; each as is, then without trailing commas): its JSON objects, or — only
+    when that candidate holds no JSON object — its python-literal dicts."""
     found_json = False
     for cand in _candidates(text):
-        has_key = _KEY in cand
+        has_key, cand_json = _KEY in cand, False
         for obj in _json_objects(cand):  # raw_decode at a `{` yields dicts only
-            found_json = True
+            found_json = cand_json = True
             if not has_key:
                 break  # no object here can hold the key; one object is enough to know JSON was found
             if isinstance(obj, dict) and _KEY in obj:
                 return obj, True
-    if found_json:
-        return None, True
-    for cand in _candidates(text):
-        if _KEY not in cand:
+        if cand_json or not has_key:
             continue
         for obj in _python_objects(cand):
             if isinstance(obj, dict) and _KEY in obj:
-                return obj, False
-    return None, False
+                return obj, found_json
+    return None, found_json
 
 
 def _as_int(key: Any) -> int | None:
@@ -225,7 +224,7 @@ def parse_analysis(text: str, candidate_steps: Iterable[int], max_step_skills: i
     if obj is None:
         if found_json:
             raise AnalysisParseError("no JSON object with an 'episode_skill' key found (JSON objects without it were "
-                                     "found, so python-style dicts were not tried)")
+                                     "found; python-style dicts were tried only where no JSON object was)")
         raise AnalysisParseError("no JSON object with an 'episode_skill' key found")
     skill = obj[_KEY]
     if not isinstance(skill, str):

@@ -4,9 +4,11 @@ words.
 One prompt per finished trajectory: the task, the outcome label, the candidate step indices (every step), then one
 block of lines per step (its 0-based index, the raw observation, the full policy response, the discounted return
 with 6 decimals), the outcome's instruction (success: a reusable workflow; failure: the core mistake and the warning
-signs to avoid, never "what to do instead"), and the reply format: exactly three JSON fields (episode_summary,
-episode_skill, step_skills) with the constraints the reference lists (0-based indices, actionable guidance rather
-than a story, step_skills keyed by the chosen critical steps, at most K = min(K, T) of them).
+signs to avoid, never "what to do instead"; no clause asking for general phrasing), and the reply format: exactly
+three JSON fields (episode_summary, episode_skill, step_skills) with the constraints the reference lists (0-based
+indices, progress judged against the task, what each critical step should have done better, each step skill one
+short imperative sentence, actionable guidance rather than a story, step_skills keyed by the chosen critical steps,
+at most K = min(K, T) of them) and an example of the reply's shape.
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ def discounted_returns(rewards: list[float], gamma: float = 0.95) -> list[float]
 
 
 _INTRO = ("You are reviewing one finished episode of a language agent in hindsight. Your goal is guidance that "
-          "helps the same agent act better on similar tasks.")
-_SUCCESS = ("The agent succeeded. Extract a reusable workflow from this episode: the order of sub-goals and the key "
-            "actions that achieved the task, stated generally enough to carry over to similar tasks.")
-_FAILURE = ("The agent failed. Identify the core mistake that made this episode fail and the warning signs that "
-            "should have told the agent it was going wrong, stated as things to avoid on similar tasks.")
+          "helps the same agent act better.")
+# The episode-skill instructions carry no "state it generally" clause: the reference has that clause commented out.
+_SUCCESS = ("The agent succeeded. Extract a reusable workflow from this episode: the core decision rule and the order "
+            "of actions that made it work.")
+_FAILURE = ("The agent failed. Identify the core mistake that made this episode fail and the warning signs the agent "
+            "should avoid.")
 _SUCCESS_FIELD = "the reusable workflow, as guidance for the whole episode"
 _FAILURE_FIELD = "the core mistake and its warning signs, as guidance on what to avoid in the whole episode"
 
@@ -72,9 +75,17 @@ def build_analysis_prompt(traj: TrajectoryView, max_step_skills: int = 5, gamma:
         "Constraints:",
         "- Step indices are 0-based, as numbered above, and come from the candidate list.",
         f'- Choose at most {k} critical steps; the keys of "step_skills" are exactly the steps you chose.',
+        "- Judge the agent's progress and its mistakes against the task together with the episode.",
+        "- For each critical step, use the whole episode to work out what that step should have done better.",
+        "- Make every step skill one short imperative sentence addressed to the agent at that step.",
         "- Write every skill as guidance the agent can act on when it faces that decision, not as a story of what "
         "happened.",
-        "- Output the JSON object only.",
+        "- Output the JSON object only, shaped like this example (the step keys are illustrative):",
+        "{",
+        '  "episode_summary": "...",',
+        '  "episode_skill": "...",',
+        '  "step_skills": {"0": "skill for step 0", "2": "skill for step 2"}',
+        "}",
     ]
     return "\n".join(lines)
 

@@ -146,13 +146,21 @@ def test_reference_non_string_episode_skill_goes_through_str(value, text):
         parse_analysis(reply, range(1), 5, rules="ours")
 
 
-def test_reference_python_literal_fallback_only_without_any_json_object():
-    """A JSON object (without episode_skill) anywhere in the reply: python-style dicts are not tried (reference);
-    ours tries them in each candidate after its JSON objects."""
+def test_reference_python_literal_fallback_per_candidate_text():
+    """Reference opid/analysis.py:561-588 (`_decode_json_objects`, called per candidate text and variant from
+    :520-528): a candidate's python-literal slices are tried only when that candidate holds no JSON object; objects
+    are gathered in candidate order (fenced blocks first, the whole reply last) and the first holding episode_skill
+    wins (:530-532). Ours tries the python-style dicts in each candidate after its JSON objects."""
+    # one candidate (no fence) with a JSON object without the key: its python-style dict is not tried
     text = 'Confidence: {"score": 0.9}. Analysis: {\'episode_skill\': \'python\', \'step_skills\': {0: \'s\'}}'
-    with pytest.raises(AnalysisParseError, match="python-style dicts were not tried"):
+    with pytest.raises(AnalysisParseError, match="tried only where no JSON object was"):
         parse_analysis(text, range(2), 5)
     assert parse_analysis(text, range(2), 5, rules="ours").episode_skill == "python"
+    # the python-style dict in a fenced block (a candidate without JSON) wins over a JSON object elsewhere
+    fenced = 'Scores: {"score": 1}\n```python\n{\'episode_skill\': \'py\', \'step_skills\': {1: \'s\'}}\n```'
+    for rules in ("reference", "ours"):
+        got = parse_analysis(fenced, range(2), 5, rules=rules)
+        assert (got.episode_skill, got.step_skills) == ("py", {1: "s"}), rules
     # no JSON object at all: the fallback runs under both rules
     only = "Analysis: {'episode_skill': 'python', 'step_skills': {0: 's'}}"
     for rules in ("reference", "ours"):
