@@ -439,8 +439,10 @@ class RouterFleet(FleetEngine):
     def __init__(self, engines: Sequence[Any], *, router_args: Sequence[str] = (), host: str = "127.0.0.1",
                  port: Optional[int] = None, log_dir: Optional[str] = None, startup_timeout_s: float = 120.0,
                  request_timeout_s: float = 1800.0, python: str = sys.executable, api_key: Optional[str] = None,
-                 **fleet_options):
+                 health_interval_s: float = 30.0, **fleet_options):
         """`host`: the address the router binds and is reached at (the node's cluster address: opid_mega.infra.hosts).
+        `health_interval_s`: how often, at most, generate() probes the /health of the workers this process did not
+        launch (SGLang's /health runs a generation: >= 1 s each); a failed request probes them all at once.
         `api_key`: the router's `--api-key` (given through opid_mega.infra.keyed: on no command line, in no log), which it
         sends to the workers and asks of its clients; this fleet sends it with every request to the router."""
         fleet_options.setdefault("chunk_prompts", 1)  # one request per prompt: the router balances each
@@ -498,6 +500,8 @@ class RouterFleet(FleetEngine):
         tether.record(log_dir, self._router_proc.pid, f"SGLang router {self.router_url}")
         atexit.register(self._stop_router)
         self.request_timeout_s = float(request_timeout_s)
+        self.health_interval_s = float(health_interval_s)
+        self._probed_at = time.monotonic()  # the workers were checked just now (they were started or attached)
         self._router_session = requests.Session()
         self._router_session.headers.update(self._auth)
         try:
@@ -616,6 +620,7 @@ class RouterFleet(FleetEngine):
             self.router_alive = False
             self.router_error = f"router exited with code {self._router_proc.returncode}"
         # Which worker failed is not known: probe them all, take the dead ones out of rotation and out of the router.
+        self._probed_at = time.monotonic()
         for s in self._live():
             if not s.engine.health():
                 self._mark_dead(s, f"failed its health check after a request through the router failed "
@@ -624,15 +629,19 @@ class RouterFleet(FleetEngine):
                     self._remove_from_router(s)
 
     def _prune(self) -> None:
-        """Take workers whose launched process has exited out of rotation and out of the router (cheap: no HTTP
-        unless one has died). The router itself keeps a dead worker listed healthy until its health checks catch
-        up, retrying every request that lands there on another worker."""
+        """Take workers whose launched process has exited out of rotation and out of the router (no HTTP), and
+        attached workers (another node's) that fail a /health probe, at most every health_interval_s (a failed
+        request probes every worker at once: _on_failure). The router itself keeps a dead worker listed healthy
+        until its health checks catch up, retrying every request that lands there on another worker."""
+        probe = time.monotonic() - self._probed_at >= self.health_interval_s
+        if probe:
+            self._probed_at = time.monotonic()
         for s in self._live():
             proc = getattr(s.engine, "_proc", None)
             if proc is not None and proc.poll() is not None:
                 self._mark_dead(s, f"server process exited with code {proc.returncode}")
-            elif proc is None and not s.engine.health():  # attached (another node's): one /health probe
-                self._mark_dead(s, "failed its health check before a generate call")
+            elif proc is None and probe and not s.engine.health():  # attached: a /health probe per interval
+                self._mark_dead(s, f"failed its health check (every {self.health_interval_s:g} s)")
             else:
                 continue
             if self.router_alive:
@@ -642,9 +651,10 @@ class RouterFleet(FleetEngine):
             self.router_error = f"router exited with code {self._router_proc.returncode}"
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 seeds: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+                 seeds: Optional[Sequence[int]] = None, deadline: Optional[float] = None) -> list[GenerationResult]:
+        """As FleetEngine.generate: no request runs past `deadline` (RolloutDeadline) nor request_timeout_s."""
         self._prune()
-        return super().generate(prompt_ids, sampling, seeds)
+        return super().generate(prompt_ids, sampling, seeds, deadline=deadline)
 
     def health(self) -> bool:
         self._prune()

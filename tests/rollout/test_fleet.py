@@ -202,6 +202,88 @@ def test_per_prompt_seeds_reach_the_servers(fake_sglang):
     assert len(servers[1].payloads) > 0 and fleet.stats()["rollout/server1_prompts"] > 0
 
 
+# ---- the router over fake workers: deadline, health probes per interval, a frozen worker ---------------------------
+class _RouterWorker:
+    """A fake worker for SGLang's router (one prompt per request); `frozen_s` > 0 makes /generate and /health hang
+    that long (a SIGSTOPped server)."""
+
+    def __init__(self, fake_sglang, tag):
+        self.frozen_s, self.tag, self.generates = 0.0, tag, 0
+        worker = self
+
+        class Routes:
+            def get(self, path):
+                if path.startswith("/health") and worker.frozen_s:
+                    time.sleep(worker.frozen_s)
+                return None
+
+            def post(self, path, body):
+                return None
+
+        def generate(req):
+            if worker.frozen_s:
+                time.sleep(worker.frozen_s)
+            worker.generates += 1
+            return 200, {"output_ids": [worker.tag, req["input_ids"][0]], "meta_info": {
+                "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 0, None]] * 2}}
+
+        self.server = fake_sglang(generate, routes=Routes())
+        self.engine = SGLangEngine(url=self.server.url, startup_timeout_s=10, max_retries=0)
+        self.probes = 0
+        probe = self.engine.health
+
+        def counted():
+            self.probes += 1
+            return probe()
+
+        self.engine.health = counted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_ROUTER, reason="sglang-router not installed")
+def test_router_fleet_deadline_health_interval_and_a_frozen_worker(fake_sglang, tmp_path):
+    from opid_mega.rollout.engine import RolloutDeadline
+
+    a, b = _RouterWorker(fake_sglang, 1), _RouterWorker(fake_sglang, 2)
+    fleet = RouterFleet([a.engine, b.engine], router_args=["--policy", "round_robin"], log_dir=str(tmp_path),
+                        owns=False, health_interval_s=3600.0, request_timeout_s=3.0)
+    try:
+        sp = SamplingParams(max_new_tokens=2)
+        for _ in range(4):  # no /health probe per call (SGLang's /health runs a generation: >= 1 s each)
+            assert [r.response_ids for r in fleet.generate([[5], [6]], sp)] in ([[1, 5], [2, 6]], [[2, 5], [1, 6]])
+        assert (a.probes, b.probes) == (0, 0) and a.generates + b.generates == 8
+        fleet.health_interval_s = 0.0  # the interval is up: one probe of each worker before the call
+        fleet.generate([[5]], sp)
+        assert (a.probes, b.probes) == (1, 1)
+        fleet.health_interval_s = 3600.0
+
+        a.frozen_s = b.frozen_s = 5.0  # the deadline cuts a request that would take 5 s
+        t0 = time.monotonic()
+        with pytest.raises(RolloutDeadline):
+            fleet.generate([[7]], sp, deadline=time.monotonic() + 1.0)
+        assert time.monotonic() - t0 < 2.5
+        b.frozen_s = 0.0
+        time.sleep(5.5)  # the frozen requests drain
+
+        a.frozen_s = 60.0  # worker a freezes: its request times out (3 s), the probe finds it, it leaves rotation
+        t0 = time.monotonic()
+        out = fleet.generate([[i] for i in range(6)], sp)
+        took = time.monotonic() - t0
+        print(f"router with a frozen worker: {took:.1f} s; {fleet.stats()}")
+        assert [r.response_ids for r in out] == [[2, i] for i in range(6)]  # all answered by b
+        assert a.engine.url in fleet.dead_servers() and b.engine.url not in fleet.dead_servers()
+        deadline = time.monotonic() + 10
+        while a.engine.url in fleet.router_workers() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the router removes workers in the background
+        assert fleet.router_workers() == [b.engine.url]
+        b0 = b.generates
+        fleet.generate([[9], [10]], sp)  # no request reaches the frozen worker any more
+        assert b.generates == b0 + 2 and took < 20
+    finally:
+        a.frozen_s = 0.0
+        fleet.shutdown()
+
+
 # ---- launching: env, and a failed start shuts the others down ---------------------------------------------------
 _FAKE_SERVER = r'''#!{python}
 import json, os, sys
