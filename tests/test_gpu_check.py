@@ -94,3 +94,18 @@ def test_an_unknown_argument_is_refused_with_one_line():
     r = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), "--dryrun"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "usage: bash tools/gpu_check.sh [--dry-run]"
+
+
+def test_without_a_cuda_device_every_later_stage_is_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES="",
+               GPU_WHEELS=str(tmp_path / "no_wheels"))
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == ["env"] and summary["exit_status"] == 1
+    assert [(s["name"], s["status"]) for s in summary["stages"]] == [("env", "failed")] + [
+        (n, "skipped") for n in STAGES[1:]]
+    assert all(s["reason"] == "no CUDA device (see the env stage)" for s in summary["stages"][1:])
+    assert summary["stages"][0]["figures"]["cuda_available"] is False

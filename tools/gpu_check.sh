@@ -73,9 +73,11 @@ else
   unset TRITON_INTERPRET OPID_TRITON_INTERPRET
 fi
 # the Qwen3 tokenizer carried beside the wheels (OPID_QWEN_TOKENIZER_DIR); without it, the stages that need it skip
-if [ -f "$WHEELS/qwen_tokenizer/tokenizer.json.gz" ]; then
-  mkdir -p "$WORK/qwen_tokenizer"
-  for f in "$WHEELS"/qwen_tokenizer/*.gz; do gunzip -c "$f" > "$WORK/qwen_tokenizer/$(basename "${f%.gz}")"; done
+if [ -f "$WHEELS/qwen_tokenizer/tokenizer.json.gz" ] && "$PY" -c 'import gzip, os, sys
+for f in sys.argv[2:]:
+    with gzip.open(f) as src, open(os.path.join(sys.argv[1], os.path.basename(f)[:-3]), "wb") as dst:
+        dst.write(src.read())' "$(mkdir -p "$WORK/qwen_tokenizer" && echo "$WORK/qwen_tokenizer")" \
+    "$WHEELS"/qwen_tokenizer/*.gz; then
   export OPID_QWEN_TOKENIZER_DIR="$WORK/qwen_tokenizer"
 fi
 
@@ -115,10 +117,11 @@ stage() {  # stage NAME NEEDS(modules and/or qwen_tokenizer, comma-separated, or
   record "$name" "$status" "$sec" "$given" "$([ "$status" = ok ] || echo "rc $rc")"
 }
 
-# ---- env: without a CUDA device the rest is skipped (the summary says why)
+# ---- env: when it found torch without a CUDA device the rest is skipped (the summary says why); when it could not
+# tell (it failed or ran out of time before writing its facts), the stages still run
 stage env - "$PY" tools/gpu_check.py env "$WORK/env.json" $([ $DRY -eq 1 ] && echo --dry-run)
-if [ $DRY -eq 0 ] && ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("cuda_available") else 1)' \
-    "$WORK/env.json" 2> /dev/null; then
+if [ $DRY -eq 0 ] && [ -f "$WORK/env.json" ] && ! "$PY" -c 'import json, sys
+sys.exit(0 if json.load(open(sys.argv[1])).get("cuda_available") else 1)' "$WORK/env.json" 2> /dev/null; then
   NO_DEVICE="no CUDA device (see the env stage)"
 fi
 
@@ -140,7 +143,7 @@ install_stage() {
 }
 export -f install_stage
 export DRY PY WHEELS WORK
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
+if [ -n "$NO_DEVICE" ] || compgen -G "$WHEELS/*.whl" > /dev/null; then
   stage install - install_stage
 else
   skip install "no wheels in $WHEELS: run tools/gpu_wheels.sh where the package registry is reachable and carry gpu_wheels"

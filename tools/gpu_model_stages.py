@@ -89,6 +89,15 @@ def attention_backend() -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
+def kernel_backend(requested: str) -> str:
+    """What the model's log-prob kernels run on here for `requested` (scoring.kernel_backend)."""
+    import torch
+
+    from opid_mega.kernels._dispatch import resolve_backend
+
+    return resolve_backend(requested, torch.empty(1, device=_device()), "fused_logprobs")
+
+
 def stage_ppo(size: str, model_dir: Path) -> dict:
     import numpy as np
     import torch
@@ -99,13 +108,17 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
 
     shape, dtype, S, P, R, mbt, _, _ = SIZES[size]
     if not (model_dir / "model.safetensors").is_file():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         model = random_qwen3(shape, dtype)
         model.save_pretrained(str(model_dir), safe_serialization=True)
         del model
     cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [
         "model.init_from=", f"model.dtype={dtype}", "train.use_reference=false", "algo.kl_coef=0.0",
         f"train.micro_batch_tokens={mbt}", f"train.mini_batch_size={S}", "train.ppo_epochs=1",
-        "train.save_interval=0", f"parallel.backend={_backend()}", "logging.tensorboard=false"])
+        "train.save_interval=0", f"parallel.backend={_backend()}", "scoring.kernel_backend=auto",
+        "logging.tensorboard=false"])
     policy = Policy(cfg, str(model_dir))
     rng = random.Random(0)
     seqs = [[rng.randrange(151000) for _ in range(P + R)] for _ in range(S)]
@@ -128,6 +141,7 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
     out = {"model_params": N, "dtype": dtype, "samples": S, "tokens": tokens, "micro_batch_tokens": mbt,
            "warmup_step_s": round(warm_s, 3), "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
            "model_tflops": round(6 * N * tokens / step_s / 1e12, 3), "attention_backend": attention_backend(),
+           "kernel_backend": kernel_backend(cfg.scoring.kernel_backend),
            "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
            "approx_kl_first_warmup": first.get("approx_kl_first")}
     if torch.cuda.is_available():
