@@ -227,3 +227,18 @@ def test_minibatch_order_of_a_record_balances_prompt_plus_response_tokens():
     exp = _record([0, 0, 1, 1], [1.0, 0.0, 1.0, 0.0], [[1], [1], [1, 1], [1, 1]], [[2], [2, 2], [2], [2, 2]],
                   [0, 1, 2, 3], [0, 0, 0, 0])
     assert minibatch_order(exp, 2, 2).tolist() == [0, 1, 3, 2]
+
+
+def test_docs_tables_name_every_behaviour_with_its_switch_and_test():
+    """docs/algorithm.md: the deviations table names the switch of each behaviour that is ours by default (or in
+    the paper configs), and the facts table names this file's test of each reference behaviour."""
+    text = open(os.path.join(ROOT, "docs", "algorithm.md"), encoding="utf-8").read()
+    deviations = text.split("## Deviations from the reference code", 1)[1].split("\n## ", 1)[0]
+    for switch in ("`analyzer.timeout_s`", "`analyzer.stall_timeout_s`", "`analyzer.max_skill_tokens`",
+                   "`train.pad_multiple`", "`train.balance_ranks`", "`env.template=reference\\|ours`",
+                   "length of the augmented prompt"):
+        assert switch in deviations, switch
+    facts = text.split("### Where each fact is tested", 1)[1].split("\n## ", 1)[0]
+    this = "test_docs_tables_name_every_behaviour_with_its_switch_and_test"
+    for name in [n for n in globals() if n.startswith("test_") and n != this]:
+        assert f"::{name}`" in facts, name
