@@ -107,6 +107,21 @@ def test_history_records_the_tail_of_an_unparseable_response(cls, response, want
         assert len(want) == min(len(response), {"webshop:WebShopEnv": 20}.get(cls, 30))
 
 
+def test_history_action_through_a_worker_process():
+    """The same rule when the env runs in a worker process (ProcessEnv): 30 characters for an <action> env
+    (alfworld/projection.py:38-41), "" for Search (search/projection.py:72-73)."""
+    from opid_mega.envs import make_env
+
+    for name, want in (("footprints", "x" * 30), ("search_qa", "")):
+        env = make_env(name, process=True)
+        try:
+            assert type(env).__name__ == "ProcessEnv"
+            assert env.history_action("X" * 40, None) == want, name
+            assert env.history_action("X" * 40, "go north") == "go north"
+        finally:
+            env.close()
+
+
 def test_balanced_partitions_worked_by_hand():
     """verl/utils/seqlen_balancing.py:96-122 (largest differencing over groups of k ascending lengths, partitions
     sorted by sum descending) and :171-181 (indices ascending in each partition); ray_trainer.py:2339-2348 reorders the
