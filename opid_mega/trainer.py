@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from opid_mega import algo, experience, rundir
@@ -353,6 +354,8 @@ class Trainer:
         if not exp.num_samples:
             raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
                                "rollout/env_errors and the trajectories' errors)")
+        if cfg.train.pad_multiple:  # the reference's padding, before any stage (copies enter A_out and the loss)
+            experience.pad_to_multiple(exp, cfg.train.pad_multiple, np.random.default_rng((cfg.train.seed, it)))
         return exp
 
     def background_rollout(self, it: int, version: int) -> Callable:
@@ -407,7 +410,11 @@ class Trainer:
         values = {"old_logprobs": exp.old_logprobs, "advantages": adv}
         if exp.ref_logprobs is not None:
             values["ref_logprobs"] = exp.ref_logprobs
-        return TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens, values, **skills)
+        data = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens, values, **skills)
+        if self.cfg.train.balance_ranks:  # the reference's token-balanced mini-batch composition
+            data = data.subset(experience.minibatch_order(exp, self.cfg.train.balance_ranks,
+                                                          self.cfg.train.mini_batch_size))
+        return data
 
     def analysis_metrics(self, exp: Experience) -> dict:
         on, a = self.cfg.algo.needs_analysis, self.analysis

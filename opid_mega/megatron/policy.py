@@ -126,9 +126,9 @@ class Policy:
 
     def train(self, data, seed: int) -> dict:
         """train.ppo_epochs epochs over the step-samples of ``data`` (`TrainData`) in mini-batches of
-        train.mini_batch_size step-samples (one optimizer step each): consecutive step-samples in rollout order, as
-        the reference takes them, or (train.shuffle_minibatches) after a shuffle seeded by ``seed`` before each
-        epoch. Each mini-batch is packed by the
+        train.mini_batch_size step-samples (one optimizer step each): consecutive step-samples in the order of
+        ``data`` (rollout order, or with train.balance_ranks the reference's token-balanced order, made by the
+        trainer), or (train.shuffle_minibatches) after a shuffle seeded by ``seed`` before each epoch. Each mini-batch is packed by the
         C++ batch builder into micro-batches of train.micro_batch_tokens tokens balanced over the data-parallel ranks;
         every rank trains on its share and Megatron's DDP reduces the gradients. algo.loss_agg=token-mean-micro with
         train.micro_batch_size > 0: the loss is aggregated over the reference's micro-batches (that many consecutive

@@ -33,8 +33,9 @@ generate call in flight cut short at that instant (RolloutDeadline); any other e
 Sampling seeds: when `sampling.seed` is set, step k of a run samples with `step_seed(sampling.seed, k)`, a distinct
 seed per step that depends only on (seed, k): a run (and a resumed run) is reproducible step by step.
 
-History: the (observation, action) pairs shown to the policy hold the action the env executed — the extracted
-action, or the no-op (the empty string) when the response had none.
+History: the (observation, action) pairs shown to the policy hold the extracted action, or for a response without
+one what the reference records (`Env.history_action`: its last 30 lower-cased characters for the action families,
+20 for WebShop, nothing for search); the env itself executed the no-op.
 """
 from __future__ import annotations
 
@@ -371,7 +372,6 @@ class AgentLoop:
                     self._drop_env(lv.traj.traj_id, wait=not isinstance(err, EnvTimeout))
                     continue
                 obs, reward, done, info = out
-                executed = lv.env.noop_action if action is None else action
                 sample = StepSample(
                     task_id=lv.traj.task_id, group_id=lv.traj.group_id, traj_id=lv.traj.traj_id, step=step,
                     prompt_text=text, prompt_ids=ids, episode_insert_at=ep, step_insert_at=st,
@@ -386,7 +386,8 @@ class AgentLoop:
                 for key in getattr(lv.env, "info_metrics", ()):
                     if key in info:
                         lv.traj.outcome_info[key] = info[key]
-                lv.history.append((lv.obs, executed))
+                # the reference's history: the action, or an unparseable response's tail (Env.history_action)
+                lv.history.append((lv.obs, lv.env.history_action(response_text, action)))
                 lv.obs = obs
                 lv.raw = info.get("raw_obs", obs)
                 if done:
