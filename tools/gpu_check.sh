@@ -21,6 +21,7 @@
 # status: 1 iff a stage that ran failed or timed out.
 #   bash tools/gpu_check.sh             # on the GPU machine
 #   bash tools/gpu_check.sh --dry-run   # the same plumbing on a CPU machine: TRITON_INTERPRET=1, tiny shapes
+#   GPU_CHECK_ONLY=install,ppo_step bash tools/gpu_check.sh   # only these stages (the others: skipped)
 set -u
 DRY=0
 case "${1:-}" in
@@ -64,7 +65,7 @@ SRC="$WORK/src"
 mkdir -p "$SRC/opid_mega" "$WORK/site"
 for e in "$REPO"/opid_mega/*; do ln -s "$e" "$SRC/opid_mega/$(basename "$e")"; done
 ln -s "$REPO/kernels" "$SRC/opid_mega/kernels"
-export PYTHONPATH="$SRC:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SRC:$WORK/site${PYTHONPATH:+:$PYTHONPATH}" GPU_CHECK_SRC="$SRC"
 export PYTHONDONTWRITEBYTECODE=1 TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}" NCCL_DEBUG=WARN PIP_ROOT_USER_ACTION=ignore
 export PYTHONWARNINGS="ignore:Apex is not installed:UserWarning,ignore:Transformer Engine and Apex are not installed:UserWarning"
 if [ $DRY -eq 1 ]; then
@@ -92,6 +93,9 @@ stage() {  # stage NAME NEEDS(modules and/or qwen_tokenizer, comma-separated, or
   local name="$1" needs="$2"
   shift 2
   if [ -n "$NO_DEVICE" ]; then skip "$name" "$NO_DEVICE"; return 0; fi
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ ",$GPU_CHECK_ONLY," != *",$name,"* ]]; then
+    skip "$name" "not in GPU_CHECK_ONLY=$GPU_CHECK_ONLY"; return 0
+  fi
   if [ "$needs" != "-" ]; then
     local missing
     missing="$("$PY" tools/gpu_check.py missing "$needs" 2>&1)" || missing="(the check itself failed: $missing)"
@@ -159,7 +163,7 @@ else
 fi
 XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 workers where pytest-xdist is there
 [ $DRY -eq 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] && XDIST=(-n 4 --dist loadfile)
-stage kernel_tests pytest "$PY" -m pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
+stage kernel_tests pytest "$PY" tools/gpu_check.py pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
   --junitxml="$WORK/kernel_tests.xml"
 stage bench_logprob - "$PY" tools/bench_logprob.py --preset $P_LOGPROB --repeats 2 --json "$WORK/bench_logprob.json"
 stage bench_divergence - "$PY" tools/bench_divergence.py --preset $P_DIV --repeats 2 \
