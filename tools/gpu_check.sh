@@ -22,6 +22,7 @@
 #   bash tools/gpu_check.sh             # on the GPU machine
 #   bash tools/gpu_check.sh --dry-run   # the same plumbing on a CPU machine: TRITON_INTERPRET=1, tiny shapes
 #   GPU_CHECK_ONLY=install,ppo_step bash tools/gpu_check.sh   # only these stages (the others: skipped)
+#   GPU_CHECK_XDIST=0 bash tools/gpu_check.sh                  # the kernel tests in one process
 set -u
 DRY=0
 case "${1:-}" in
@@ -162,7 +163,8 @@ else
   P_LOGPROB=gpu P_DIV=gpu P_RESCORE=gpu TINY=
 fi
 XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 workers where pytest-xdist is there
-[ $DRY -eq 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] && XDIST=(-n 4 --dist loadfile)
+[ $DRY -eq 0 ] && [ "${GPU_CHECK_XDIST:-1}" != 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] \
+  && XDIST=(-n 4 --dist loadfile)
 stage kernel_tests pytest "$PY" tools/gpu_check.py pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
   --junitxml="$WORK/kernel_tests.xml"
 stage bench_logprob - "$PY" tools/bench_logprob.py --preset $P_LOGPROB --repeats 2 --json "$WORK/bench_logprob.json"
