@@ -1,8 +1,9 @@
 """Save / resume with megatron-core distributed checkpointing: model, optimizer, RNG state, step.
 
 Layout of ``<dir>/step_<N>/``: megatron's sharded checkpoint (model chunks ``model0..``, ``optimizer``, ``step``
-and ``extra``) plus ``rng/rank<R>.pt`` (this rank's python/torch(/cuda) RNG states). A save writes everything into
-``step_<N>.tmp/``, renames it to ``step_<N>`` once every rank is done (after the last barrier), and then writes
+and ``extra``) plus ``rng/rank<R>.pt`` (this rank's python/torch(/cuda) RNG states; a rank resuming from a checkpoint
+that has no file for it, on more ranks than saved it, starts from states seeded by (step, rank): rank_rng_state). A
+save writes everything into ``step_<N>.tmp/``, renames it to ``step_<N>`` once every rank is done (after the last barrier), and then writes
 ``latest_step`` (atomically), which names the newest committed checkpoint. So a run killed while saving leaves a
 ``step_<N>.tmp`` (or a ``step_<N>`` above ``latest_step``) that :func:`clean_uncommitted` removes at resume, and
 resumes from the previous one. Before a save the free disk space is checked against the size of the previous
@@ -513,8 +514,44 @@ def load(ckpt_dir: str, chunks, optimizer=None, step: Optional[int] = None) -> t
             for st in getattr(inner, "state", {}).values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].clone()
-    _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"), weights_only=True))
-    return int(loaded["step"]), loaded.get("extra", {})
+    rank, extra = dist.get_rank(), loaded.get("extra", {})
+    saved_world = int(extra.get("world_size", 1)) if isinstance(extra, dict) else 1
+    if rank == 0 and dist.get_world_size() > saved_world:
+        print(f"opid-train: checkpoint step {step} was saved by {saved_world} rank(s), this run has "
+              f"{dist.get_world_size()}: ranks {saved_world}..{dist.get_world_size() - 1} start from RNG states seeded "
+              f"by (step, rank) (opid_mega.megatron.checkpoint.rank_rng_state)", flush=True)
+    _set_rng_state(rank_rng_state(path, rank, int(loaded["step"])))
+    return int(loaded["step"]), extra
+
+
+def fallback_seed(step: int, rank: int) -> int:
+    """The seed of a rank that has no RNG file in the checkpoint it resumes from (a resume on more ranks than saved
+    it): a fixed function of (step, rank), so the same resume draws the same numbers, and no two ranks share one."""
+    return (int(step) * 1_000_003 + int(rank) * 7_919 + 12_345) % (2 ** 31 - 1)
+
+
+def rank_rng_state(path: str, rank: int, step: int) -> dict:
+    """The RNG states rank `rank` resumes with from checkpoint directory `path`: its own ``rng/rank<R>.pt`` when the
+    checkpoint has one (the same world size, or a rank below the saved world size when shrinking), else states
+    seeded by ``fallback_seed(step, rank)``: python's and torch's generators from that seed and, on CUDA, the
+    model-parallel tracker as Megatron seeds it (``model_parallel_cuda_manual_seed``) from ``fallback_seed(step, 0)``
+    plus 100 x the pipeline rank, the same on every rank of a tensor-parallel group."""
+    f = os.path.join(path, "rng", f"rank{int(rank)}.pt")
+    if os.path.exists(f):
+        return torch.load(f, weights_only=True)
+    seed = fallback_seed(step, rank)
+    py = random.Random(seed)
+    st = {"python": py.getstate(), "torch": torch.Generator().manual_seed(seed).get_state()}
+    if torch.cuda.is_available():
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        saved_cuda = torch.cuda.get_rng_state()
+        model_parallel_cuda_manual_seed(fallback_seed(step, 0) + 100 * parallel_state.get_pipeline_model_parallel_rank())
+        st["cuda"] = torch.cuda.get_rng_state()
+        st["tracker"] = get_cuda_rng_tracker().get_states()
+        torch.cuda.set_rng_state(saved_cuda)
+    return st
 
 
 def checkpoint_dir(path: str, step: Optional[int] = None) -> str:

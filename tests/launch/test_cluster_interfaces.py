@@ -46,7 +46,7 @@ def test_two_nodes_without_interface_variables_complete(tmp_path):
     print(f"2 nodes x 1 rank without NODE_ADDR / GLOO_SOCKET_IFNAME: {time.monotonic() - t0:.1f} s")
     assert codes == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
     for log in logs:
-        assert "GLOO_SOCKET_IFNAME=eth0" in log, log[-2000:]
+        assert "torchrun.sh: GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in log, log[-2000:]
     assert_one_iteration(run)
 
 

@@ -37,28 +37,21 @@ def opid_train_parser() -> argparse.ArgumentParser:
 
 
 def load_train_config(argv: Sequence[str]):
-    """The resolved config of an opid-train command line (as opid-train builds it), or raise ValueError(one line)."""
-    from opid_mega.config import ConfigError, load_config
+    """The resolved config of an opid-train command line, as opid-train plans it (opid_mega.rundir.plan_run: a
+    resume runs with the run's config.yaml, the overrides of its earlier resumes (resume_overrides.jsonl) and then
+    this command line's), or raise ValueError(one line)."""
+    from opid_mega import rundir
+    from opid_mega.config import ConfigError
 
     args, unknown = opid_train_parser().parse_known_args(list(argv))
     if unknown:
         raise ValueError(f"unknown opid-train argument(s): {' '.join(unknown)}")
     try:
-        if args.resume and args.resume != "auto":  # (auto: the --config below; opid-train checks the rest)
-            saved = Path(args.resume) / "config.yaml"
-            if not saved.exists():
-                raise ValueError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
-            cfg = load_config(str(saved), list(args.overrides))
-            cfg.logging.run_dir = args.resume
-        else:
-            if not args.config:
-                raise ValueError("--config is required (or --resume RUN_DIR)")
-            cfg = load_config(args.config, list(args.overrides))
-            if args.run_dir:
-                cfg.logging.run_dir = args.run_dir
+        return rundir.plan_run(args.config, args.run_dir, args.resume, args.overwrite, list(args.overrides)).cfg
     except ConfigError as e:
         raise ValueError(f"config error: {e}") from None
-    return cfg
+    except rundir.RunDirError as e:
+        raise ValueError(str(e)) from None
 
 
 def layout_error(cfg, world: int) -> Optional[str]:

@@ -122,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("ray_launch.py: --nodes and --trainers-per-node must be >= 1", file=sys.stderr)
         return 2
     try:
-        cfg = preflight.load_train_config(train_argv)
+        cfg = preflight.load_train_config(with_resume_auto(train_argv))  # what the ranks will run
         # nodes and ranks per node come from the config's deploy section (the same rule as torchrun.sh)
         args.nodes, args.trainers_per_node = preflight.launch_shape(
             cfg, str(args.nodes or ""), str(args.trainers_per_node or ""), names=("--nodes", "--trainers-per-node"))

@@ -52,9 +52,30 @@ if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
   echo "torchrun.sh: NPROC_PER_NODE=$NPROC_PER_NODE, allowed: an integer >= 1" >&2; exit 2
 fi
 
-# node count and ranks per node from the config, checked against NNODES / NPROC_PER_NODE when given, this node's
-# GPUs and the layout for that world size; prints "NNODES NPROC_PER_NODE THREADS_PER_RANK"
-read -r NNODES NPROC THREADS < <("$PYTHON" "$HERE/preflight.py" --nnodes "${NNODES:-}" --nproc-per-node "${NPROC_PER_NODE:-}" -- "$@" || echo FAIL)
+resume=(--resume auto)  # a re-run of this command line continues the run (see the top)
+overwrite=0
+for a in "$@"; do case "$a" in --resume|--resume=*) resume=() ;; --overwrite) resume=(); overwrite=1 ;; esac; done
+if [[ "$overwrite" == 1 ]]; then
+  # --overwrite moves the run directory's progress aside: on a restart of this same command line it would move the
+  # job's own checkpoints away. A torchrun restart re-runs opid-train with the same arguments: refused. A SLURM
+  # requeue (SLURM_RESTART_COUNT > 0) continues the run instead: --overwrite is taken on the first start only.
+  if [[ "$MAX_RESTARTS" != 0 ]]; then
+    echo "torchrun.sh: --overwrite with MAX_RESTARTS=$MAX_RESTARTS: every restart would move the run's own progress aside; start once with --overwrite (MAX_RESTARTS=0), or drop --overwrite (restarts continue the run: --resume auto)" >&2
+    exit 2
+  fi
+  if [[ "${SLURM_RESTART_COUNT:-0}" != 0 ]]; then
+    args=()
+    for a in "$@"; do [[ "$a" == --overwrite ]] || args+=("$a"); done
+    set -- ${args[@]+"${args[@]}"}
+    resume=(--resume auto)
+    echo "torchrun.sh: requeued job (SLURM_RESTART_COUNT=$SLURM_RESTART_COUNT): --overwrite applied on the first start only; continuing the run (--resume auto)" >&2
+  fi
+fi
+
+# node count and ranks per node from the config (for a resume: the run's config.yaml, its recorded resume overrides
+# and these), checked against NNODES / NPROC_PER_NODE when given, this node's GPUs and the layout for that world
+# size; prints "NNODES NPROC_PER_NODE THREADS_PER_RANK"
+read -r NNODES NPROC THREADS < <("$PYTHON" "$HERE/preflight.py" --nnodes "${NNODES:-}" --nproc-per-node "${NPROC_PER_NODE:-}" -- ${resume[@]+"${resume[@]}"} "$@" || echo FAIL)
 if [[ "$NNODES" == FAIL || -z "$NPROC" ]]; then exit 2; fi  # preflight printed why
 if [[ -n "${NODE_RANK:-}" ]] && ! [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]]; then
   echo "torchrun.sh: NODE_RANK=$NODE_RANK, allowed: 0 .. NNODES-1 = $((NNODES - 1))" >&2; exit 2
@@ -74,9 +95,17 @@ RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-opid-${USER:-$(id -un)}}}"
 # host (loopback in a one-node run); a rendezvous host that resolves to loopback on a multi-node run is one line
 # naming the fix, exit 2 (opid_mega.infra.hosts.socket_ifname). Without it gloo takes the address the host name
 # resolves to: 127.0.1.1 under a stock Debian/Ubuntu /etc/hosts, which the other nodes cannot reach.
+# (A dry run only reports a problem: it may name hosts that do not resolve here.)
 if [[ -z "${GLOO_SOCKET_IFNAME:-}" || -z "${NCCL_SOCKET_IFNAME:-}" ]]; then
-  ifname="$("$PYTHON" -m opid_mega.infra.hosts socket-ifname "${RDZV_ENDPOINT%:*}" "$NNODES" "${NODE_ADDR:-}")" || exit 2
-  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
+  if ifname="$("$PYTHON" -m opid_mega.infra.hosts socket-ifname "${RDZV_ENDPOINT%:*}" "$NNODES" "${NODE_ADDR:-}" 2>&1)"; then
+    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
+    echo "torchrun.sh: GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" >&2
+  elif [[ "${OPID_LAUNCH_DRY_RUN:-0}" == 1 ]]; then
+    echo "torchrun.sh: (dry run) $ifname" >&2
+  else
+    echo "$ifname" >&2
+    exit 2
+  fi
 fi
 
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
@@ -90,13 +119,11 @@ else
   fi
 fi
 if [[ -n "${NODE_ADDR:-}" ]]; then cmd+=(--local-addr "$NODE_ADDR"); fi  # this node's cluster address
-resume=(--resume auto)  # a re-run of this command line continues the run (see the top)
-for a in "$@"; do case "$a" in --resume|--resume=*|--overwrite) resume=() ;; esac; done
 cmd+=(-m opid_mega.cli ${resume[@]+"${resume[@]}"} "$@")  # opid_mega.cli is opid-train's entry point (train_main)
 
 # the command as shown: secret override values (analyzer.api_key=...) and --api-key values as *** (opid_mega.infra.redact)
 shown="$("$PYTHON" -c 'import shlex, sys; from opid_mega.infra.redact import redact_args; print(shlex.join(redact_args(sys.argv[1:])))' "${cmd[@]}" 2>/dev/null)" ||
   shown="$(printf '%q ' "${cmd[@]}" | sed -E 's/((^| )[^ =]*(api[_-]?key|token|password|secret)=)[^ ]*/\1***/Ig; s/(--api-key )[^ ]*/\1***/g')"
-echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS, GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME: $shown" >&2
+echo "torchrun.sh: node ${NODE_RANK:-?}/$NNODES, OMP_NUM_THREADS=$OMP_NUM_THREADS: $shown" >&2
 if [[ "${OPID_LAUNCH_DRY_RUN:-0}" == 1 ]]; then exit 0; fi
 exec "${cmd[@]}"
