@@ -293,3 +293,22 @@ def test_ray_launch_stops_on_a_bad_layout_before_starting_ray(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "opid-train: --nodes=3 disagrees with deploy.nodes = 2; leave --nodes unset (the launchers take it from the "
         "config) or change the config (deploy.nodes=3)"]
+
+
+def test_torchrun_sh_overwrite_only_on_a_first_start(tmp_path):
+    """--overwrite moves the run directory's progress aside: refused with torchrun restarts (each would move the
+    job's own checkpoints away); on a requeued SLURM job (SLURM_RESTART_COUNT > 0) dropped for --resume auto."""
+    env = {**BASE_ENV, "OPID_LAUNCH_DRY_RUN": "1", "RDZV_ENDPOINT": "localhost:29555"}
+    cmd = [str(LAUNCH / "torchrun.sh"), "--config", CONFIG, "--run-dir", str(tmp_path / "run"), "--overwrite",
+           "train.iterations=3"]
+    r = subprocess.run(cmd, env={**env, "MAX_RESTARTS": "2"}, capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("torchrun.sh: --overwrite with MAX_RESTARTS=2")
+    r = subprocess.run(cmd, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "requeued job (SLURM_RESTART_COUNT=1): --overwrite applied on the first start only" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        f"-m opid_mega.cli --resume auto --config {CONFIG} --run-dir {tmp_path / 'run'} train.iterations=3")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)  # a first start: as given
+    assert r.returncode == 0 and r.stderr.strip().splitlines()[-1].endswith(
+        f"-m opid_mega.cli --config {CONFIG} --run-dir {tmp_path / 'run'} --overwrite train.iterations=3"), r.stderr
