@@ -312,3 +312,23 @@ def test_torchrun_sh_overwrite_only_on_a_first_start(tmp_path):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)  # a first start: as given
     assert r.returncode == 0 and r.stderr.strip().splitlines()[-1].endswith(
         f"-m opid_mega.cli --config {CONFIG} --run-dir {tmp_path / 'run'} --overwrite train.iterations=3"), r.stderr
+
+
+def test_preflight_names_a_missing_model_directory_or_tokenizer(tmp_path):
+    """A model.path given as a local directory is checked before any rank starts: one line, exit 2."""
+    def preflight(path):
+        return subprocess.run([sys.executable, str(LAUNCH / "preflight.py"), "--", "--config", CONFIG,
+                               f"model.path={path}"], env=BASE_ENV, capture_output=True, text=True, timeout=120)
+
+    r = preflight(tmp_path / "nope")
+    assert r.returncode == 2 and r.stderr.strip() == f"opid-train: model.path={tmp_path / 'nope'}: no such directory " \
+                                                     f"on this node ({os.uname().nodename})", r.stderr
+    (tmp_path / "m").mkdir()
+    r = preflight(tmp_path / "m")
+    assert r.returncode == 2 and "no config.json there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "m" / "config.json").write_text("{}")
+    r = preflight(tmp_path / "m")
+    assert r.returncode == 2 and "no tokenizer there" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    r = preflight(tmp_path / "m")
+    assert "model.path" not in r.stderr, r.stderr  # what follows (the layout against this model) is not ours here

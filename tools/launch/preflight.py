@@ -8,7 +8,8 @@ loads and validates the config, takes the node count and the ranks per node from
 rank), refuses ``--nnodes`` / ``--nproc-per-node`` values (NNODES / NPROC_PER_NODE of the launchers) that disagree
 with it, checks this node's GPUs against deploy.gpus_per_node (GPU configs: fewer is an error) and the parallel
 layout (TP/PP/VPP against the model) for that world size (``opid_mega.megatron.layout.config_layout_error``;
-opid-train checks the same again in every rank, but only after torchrun has started them). On a problem: one line on
+opid-train checks the same again in every rank, but only after torchrun has started them), and a model.path given
+as a local directory: it exists and holds config.json and a tokenizer. On a problem: one line on
 stderr, exit 2. Otherwise one line on stdout, ``NNODES NPROC_PER_NODE THREADS_PER_RANK``: the torch threads a rank
 gets are the cores this process may use divided among the node's ranks — what ``opid_mega.infra.runtime.configure_threads``
 gives a torchrun rank.
@@ -92,6 +93,26 @@ def launch_shape(cfg, nnodes: str = "", nproc: str = "", names=("NNODES", "NPROC
     return nodes, ranks
 
 
+def model_problem(cfg) -> Optional[str]:
+    """model.path given as a local directory (absolute, ./, ../ or ~) must exist here and hold an HF model: its
+    config.json and a tokenizer (tokenizer.json, tokenizer.model or tokenizer_config.json). A hub name or a built-in
+    model (no path) is not checked here. None: fine."""
+    import os
+
+    path = str(cfg.model.path or "")
+    if not path or not (os.path.isabs(path) or path.startswith(("./", "../", "~"))):
+        return None
+    d = os.path.expanduser(path)
+    if not os.path.isdir(d):
+        return f"model.path={path}: no such directory on this node ({os.uname().nodename})"
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        return f"model.path={path}: no config.json there (not a Hugging Face model directory)"
+    if not any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                            "tokenizer_config.json")):
+        return f"model.path={path}: no tokenizer there (tokenizer.json, tokenizer.model or tokenizer_config.json)"
+    return None
+
+
 def gpu_problem(cfg, visible: int) -> Optional[str]:
     """A GPU config (parallel.backend not gloo) needs deploy.gpus_per_node GPUs on this node (None: fine)."""
     if cfg.parallel.backend == "gloo":
@@ -127,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 2
-    msg = gpu_problem(cfg, visible_gpus())
+    msg = model_problem(cfg) or gpu_problem(cfg, visible_gpus())
     if msg:
         print(f"opid-train: {msg}", file=sys.stderr)
         return 2
