@@ -115,6 +115,8 @@ setup(
         "test": [
             "pytest>=8",
             "hypothesis>=6",
+            # opid-bench's Liger-Kernel peer rows (its Triton kernels run on CPU under the Triton interpreter)
+            "liger-kernel>=0.8",
         ],
     },
     entry_points={
@@ -126,6 +128,7 @@ setup(
             "opid-logprobs=opid_mega.megatron.logprobs_cli:main",
             "opid-plan=opid_mega.plan:main",
             "opid-export=opid_mega.export:main",
+            "opid-bench=opid_mega.bench.cli:main",
         ]
     },
 )

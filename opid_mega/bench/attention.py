@@ -1,0 +1,112 @@
+"""Fork attention alone (scoring forward): ours vs dense-mask SDPA, its torch.compile, and FlexAttention with the
+same fork block mask. Layout: G groups, each a shared prefix then B branches that never see each other."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from opid_mega.kernels import build_fork_metadata, fork_attention, fork_attention_mask, fork_attention_reference
+
+from .core import Case, Method, Preset, interpreter_enabled, max_abs
+
+INTERPRETER_MAX_TOKENS = 256  # the Triton interpreter runs every program instance in Python
+
+
+def fork_layout(groups: int, prefix: int, branches: int, branch_tokens: int, device):
+    """cu_seqlens [G+1] int32 and branch_ids [N] int32 of the fork layout."""
+    per = prefix + branches * branch_tokens
+    cu = torch.arange(groups + 1, dtype=torch.int32) * per
+    one = torch.cat([torch.zeros(prefix, dtype=torch.int32)]
+                    + [torch.full((branch_tokens,), b + 1, dtype=torch.int32) for b in range(branches)])
+    return cu.to(device), one.repeat(groups).to(device)
+
+
+def attended_pairs(groups: int, prefix: int, branches: int, branch_tokens: int) -> int:
+    """(query, key) pairs the fork rule allows: each prefix causally once, each branch over prefix + itself."""
+    p, L = prefix, branch_tokens
+    return groups * (p * (p + 1) // 2 + branches * (L * p + L * (L + 1) // 2))
+
+
+def _reference(q, k, v, cu, bid):
+    """float64 reference, one group at a time (groups never see each other)."""
+    outs = []
+    for g in range(cu.numel() - 1):
+        s, e = int(cu[g]), int(cu[g + 1])
+        outs.append(fork_attention_reference(q[s:e], k[s:e], v[s:e], cu[:2] * 0 + torch.tensor([0, e - s],
+                                             device=cu.device, dtype=cu.dtype), bid[s:e]))
+    return torch.cat(outs)
+
+
+def _flex(q, k, v, cu, bid, compiled: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    n = q.shape[0]
+    group = torch.searchsorted(cu.long()[1:], torch.arange(n, device=q.device), right=True)
+    bidl = bid.long()
+
+    def mask_mod(b, h, qi, ki):
+        return (group[qi] == group[ki]) & (ki <= qi) & ((bidl[ki] == 0) | (bidl[ki] == bidl[qi]))
+
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device.type)
+    fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    rep = q.shape[1] // k.shape[1]
+
+    def call():
+        out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
+                 enable_gqa=rep > 1)
+        return out[0].transpose(0, 1)
+    return call
+
+
+def fork_attention_cases(preset: Preset, device: torch.device, compile_peers: bool = True) -> list:
+    return [_case(preset, dtype_name, device, compile_peers) for dtype_name in preset.dtypes]
+
+
+def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
+    groups, prefix, branches, branch_tokens = preset.fork
+    hq, hkv, d = preset.heads_rank, preset.kv_heads_rank, preset.head_dim
+    cu, bid = fork_layout(groups, prefix, branches, branch_tokens, device)
+    n = bid.numel()
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device) for h in (hq, hkv, hkv))
+    ref = _reference(q, k, v, cu, bid)
+    meta = build_fork_metadata(cu, bid)
+    scale = 1.0 / math.sqrt(d)
+    rep = hq // hkv
+
+    def dense():
+        mask = fork_attention_mask(cu, bid)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                             v.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
+        return out.transpose(0, 1)
+
+    rows = []
+    if device.type == "cuda":
+        rows.append(Method("fork_attention", "ours", "Triton",
+                           lambda: fork_attention(q, k, v, cu, bid, backend="triton", meta=meta)))
+    rows.append(Method("fork_attention", "ours", "torch path (SDPA per segment)",
+                       lambda: fork_attention(q, k, v, cu, bid, backend="torch", meta=meta)))
+    if device.type != "cuda":
+        skip = None
+        if not interpreter_enabled():
+            skip = "CPU without TRITON_INTERPRET=1 at start: Triton cannot run"
+        elif n > INTERPRETER_MAX_TOKENS:
+            skip = f"Triton interpreter too slow at N = {n} tokens (runs up to {INTERPRETER_MAX_TOKENS}: preset tiny)"
+        rows.append(Method("fork_attention", "ours", "Triton interpreter",
+                           None if skip else lambda: fork_attention(q, k, v, cu, bid, backend="triton", meta=meta),
+                           skip))
+    rows.append(Method("SDPA with the dense [N, N] mask", "peer", "eager", dense))
+    if compile_peers:
+        rows.append(Method("torch.compile(dense SDPA)", "peer", "inductor", torch.compile(dense, dynamic=False)))
+        rows.append(Method("FlexAttention, fork block mask", "peer", "inductor", _flex(q, k, v, cu, bid, True)))
+    else:
+        rows.append(Method("torch.compile(dense SDPA)", "peer", "inductor", skipped="--no-compile"))
+        rows.append(Method("FlexAttention, fork block mask", "peer", "eager (unfused reference path)",
+                           _flex(q, k, v, cu, bid, False)))
+    pairs = attended_pairs(groups, prefix, branches, branch_tokens)
+    shape = {"N": n, "groups": groups, "prefix": prefix, "branches": branches, "branch_tokens": branch_tokens,
+             "heads": hq, "kv_heads": hkv, "head_dim": d, "attended_pairs": pairs}
+    return Case(f"fwd {dtype_name}", shape, dtype_name, 4 * pairs * hq * d, rows,
+                lambda out: {"out": max_abs(out, ref)})

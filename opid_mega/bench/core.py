@@ -1,0 +1,300 @@
+"""Presets, measurement, the JSON schema and the table shared by every op of opid-bench.
+
+Schema of one op's result (what `--json` writes):
+  {"op", "preset", "model": {preset shapes}, "machine": {...}, "versions": {...}, "load": {"before", "after"},
+   "wall_s", "cases": [case, ...]}
+  case = {"name", "shape": {...}, "dtype", "flops", "bound_s", "methods": [method, ...]}
+  method = {"name", "role": "ours"|"peer", "runs_as", "seconds", "peak_bytes", "error": {output: max abs error vs
+            the float64 reference}, "ratio_to_bound"} or {"name", "role", "skipped": "one-line reason"}.
+The bound of a case is its FLOPs at this machine's measured matmul rate for the case dtype (the time the
+unavoidable matmul work alone would take); `ratio_to_bound` = seconds / bound_s (1.0 = as fast as that matmul).
+Peak memory: extra bytes of one call beyond what existed before it, minus the gradients it returns (fwd+bwd).
+  CUDA: max_memory_allocated after reset_peak_memory_stats. CPU: VmHWM - VmRSS of this process (opid-bench runs with
+  MALLOC_MMAP_THRESHOLD_=65536 so freed tensor buffers go back to the OS and RSS follows live tensors).
+Timing: one warm-up call (compilation), one call under the memory meter, then the median of `repeats` calls.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shapes named by the model they come from (one tensor-parallel rank: vocab, heads and kv_heads per rank)."""
+    name: str
+    model: str
+    hidden: int
+    vocab: int          # vocabulary of the whole model
+    heads: int          # query heads of the whole model
+    kv_heads: int
+    head_dim: int
+    tp: int             # tensor-parallel ranks the shapes are divided over
+    tokens: int         # response tokens of one micro-batch for the vocabulary heads
+    fork: tuple         # (groups, prefix tokens, branches per group, tokens per branch) of the fork layout
+    dtypes: tuple       # dtypes the vocabulary heads and the attention run in
+    passes: tuple = ("fwd", "fwd+bwd")   # passes of the log-prob head
+    fwd_only: tuple = ()                 # dtypes whose log-prob head runs the forward only (CPU time budget)
+    note: str = ""
+
+    @property
+    def vocab_rank(self) -> int:
+        return self.vocab // self.tp
+
+    @property
+    def heads_rank(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def kv_heads_rank(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "model": self.model, "hidden": self.hidden, "vocab": self.vocab,
+                "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "tp": self.tp,
+                "vocab_per_rank": self.vocab_rank, "heads_per_rank": self.heads_rank,
+                "kv_heads_per_rank": self.kv_heads_rank, "tokens": self.tokens,
+                "fork": dict(zip(("groups", "prefix", "branches", "branch_tokens"), self.fork)),
+                "dtypes": list(self.dtypes), "fwd_only": list(self.fwd_only), "note": self.note}
+
+
+PRESETS = {
+    "tiny": Preset("tiny", "toy (tests)", hidden=64, vocab=512, heads=4, kv_heads=2, head_dim=16, tp=1, tokens=32,
+                   fork=(2, 24, 3, 8), dtypes=("float32", "bfloat16"), note="seconds; every peer runs on CPU"),
+    "ci": Preset("ci", "Qwen2.5-0.5B", hidden=896, vocab=151936, heads=14, kv_heads=2, head_dim=64, tp=1,
+                 tokens=64, fork=(1, 512, 8, 64), dtypes=("float32", "bfloat16"), fwd_only=("bfloat16",),
+                 note="2 CPU cores: all ops within 5 minutes"),
+    "7b": Preset("7b", "Qwen2.5-7B", hidden=3584, vocab=152064, heads=28, kv_heads=4, head_dim=128, tp=1,
+                 tokens=4096, fork=(4, 2048, 8, 256), dtypes=("bfloat16",), note="one GPU"),
+    "32b": Preset("32b", "Qwen2.5-32B", hidden=5120, vocab=152064, heads=40, kv_heads=8, head_dim=128, tp=4,
+                  tokens=4096, fork=(4, 2048, 8, 256), dtypes=("bfloat16",), note="one of 4 TP ranks, one GPU"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# machine, versions, load
+# ------------------------------------------------------------------------------------------------------------------
+def _version(module: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+        return version(module)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def load_average() -> Optional[list]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "device": device.type,
+            "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def versions() -> dict:
+    return {"torch": torch.__version__, "triton": _version("triton"), "liger-kernel": _version("liger-kernel"),
+            "opid-mega": _version("opid-mega")}
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and _version("triton") is not None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------------------------------
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} missing from /proc/self/status")
+
+
+class PeakMeter:
+    """Extra peak memory of the block (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self.before = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.before
+        else:
+            self.peak = _status_bytes("VmHWM") - self.before
+        return False
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(call: Callable, device: torch.device, repeats: int, grad_bytes: int = 0):
+    """Warm-up, one metered call, `repeats` timed calls. Returns (median seconds, peak bytes, metered result)."""
+    call()
+    _sync(device)
+    with PeakMeter(device) as meter:
+        result = call()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = call()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        del out
+    return statistics.median(times), max(0, meter.peak - grad_bytes), result
+
+
+_RATES: dict = {}
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 1024) -> float:
+    """FLOP/s of one [size, size] x [size, size] matmul at `dtype` on this machine (measured once per run)."""
+    key = (dtype, device.type)
+    if key not in _RATES:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        seconds, _, _ = time_call(lambda: a @ b, device, repeats=3)
+        _RATES[key] = 2 * size ** 3 / max(seconds, 1e-9)
+    return _RATES[key]
+
+
+def max_abs(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.double() - ref.double()).abs().max().item() if a.numel() else 0.0
+
+
+def rel_max(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (gradients: their scale depends on the shape)."""
+    scale = ref.double().abs().max().item() if ref.numel() else 0.0
+    return max_abs(a, ref) / scale if scale > 0 else max_abs(a, ref)
+
+
+@dataclass
+class Method:
+    """One row: `call()` runs it once and returns what `error(result)` compares with the float64 reference."""
+    name: str
+    role: str                      # "ours" | "peer"
+    runs_as: str                   # e.g. "torch path", "Triton", "Triton interpreter", "eager", "inductor"
+    call: Optional[Callable] = None
+    skipped: Optional[str] = None  # one-line reason when it cannot run here
+
+
+@dataclass
+class Case:
+    name: str
+    shape: dict
+    dtype: str
+    flops: float
+    methods: list
+    error: Callable                # result -> {output: error vs float64}
+    grad_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def run_case(case: Case, device: torch.device, repeats: int, log=print) -> dict:
+    dtype = getattr(torch, case.dtype)
+    bound = case.flops / matmul_rate(dtype, device) if case.flops else None
+    out = {"name": case.name, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,
+           "bound_s": bound, "methods": [], **case.extra}
+    for m in case.methods:
+        row = {"name": m.name, "role": m.role, "runs_as": m.runs_as}
+        if m.skipped is None:
+            try:
+                seconds, peak, result = time_call(m.call, device, repeats, case.grad_bytes)
+                row.update(seconds=seconds, peak_bytes=peak, error=case.error(result),
+                           ratio_to_bound=seconds / bound if bound else None)
+                del result
+            except Exception as exc:  # noqa: BLE001 - a peer that fails here is a skipped row with its reason
+                row["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        else:
+            row["skipped"] = m.skipped
+        out["methods"].append(row)
+        log(f"  {case.name} {m.name}: " + (f"{row['seconds']:.4f} s" if "seconds" in row else row["skipped"]))
+    return out
+
+
+def op_result(op: str, preset: Preset, device: torch.device, cases: list, wall: float, load_before) -> dict:
+    return {"op": op, "preset": preset.name, "model": preset.as_dict(), "machine": machine(device),
+            "versions": versions(), "load": {"before": load_before, "after": load_average()},
+            "wall_s": round(wall, 2), "cases": cases}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the table
+# ------------------------------------------------------------------------------------------------------------------
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _err(error: dict) -> str:
+    return " ".join(f"{k} {v:.1e}" for k, v in error.items())
+
+
+def table(result: dict, markdown: bool = False) -> str:
+    """One table per op: per case and row, time, speed of ours relative to the row (row time / ours time), peak
+    memory and memory ratio (ours / row), max error vs float64, ratio to the bound. Skipped rows give the reason."""
+    head = ["case", "method", "runs as", "time s", "ours ×faster", "peak MiB", "mem ours/row", "err vs float64",
+            "× bound"]
+    rows = []
+    for case in result["cases"]:
+        ran = [m for m in case["methods"] if "seconds" in m]
+        ours = next((m for m in ran if m["role"] == "ours"), None)
+        for m in case["methods"]:
+            label = f"{m['name']} (ours)" if m["role"] == "ours" else m["name"]
+            if "skipped" in m:
+                rows.append([case["name"], label, m["runs_as"], "skipped: " + m["skipped"], "", "", "", "", ""])
+                continue
+            faster = ours["seconds"] / m["seconds"] if ours and m is not ours else None
+            mem = ours["peak_bytes"] / m["peak_bytes"] if ours and m is not ours and m["peak_bytes"] > 0 else None
+            rows.append([case["name"], label, m["runs_as"], _fmt(m["seconds"], ".4f"),
+                         _fmt(1 / faster if faster else None, ".2f"), _fmt(m["peak_bytes"] / 2 ** 20, ".1f"),
+                         _fmt(mem, ".3f"), _err(m["error"]), _fmt(m["ratio_to_bound"], ".1f")])
+    m = result["model"]
+    title = (f"{result['op']} — preset {result['preset']} ({m['model']}: hidden {m['hidden']}, vocab "
+             f"{m['vocab']} ({m['vocab_per_rank']}/rank), heads {m['heads']}/{m['kv_heads']} kv, head dim "
+             f"{m['head_dim']}, TP {m['tp']}); {result['machine']['device']}, {result['machine']['torch_threads']} "
+             f"threads, load {result['load']['before']} -> {result['load']['after']}, wall {result['wall_s']} s")
+    if markdown:
+        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    widths = [min(w, 60) for w in widths]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([title, line(head)] + [line(r) for r in rows])
