@@ -29,9 +29,9 @@ input. ``step_s``: median wall time of ``--repeat`` further steps (the first ste
     python tools/bench_train_attention.py --preset tiny --json out.json
 
 JSON: nested objects, ``out["dense"]["peak_bytes"]``, ``out["varlen"]["step_s"]``, ``out["loop"][...]`` (the keys
-``dense.peak_bytes``, ``varlen.peak_bytes``, ``dense.step_s``, ``varlen.step_s`` of issue 13 as nested dicts), plus
+``dense.peak_bytes``, ``varlen.peak_bytes``, ``dense.step_s``, ``varlen.step_s`` as nested dicts), plus
 ``config``, ``varlen_memory_fraction`` (varlen / dense ``peak_bytes``), ``varlen_attention_memory_fraction``
-(varlen / dense ``attention_bytes``, issue 13's "attention memory"), ``speedup`` (dense / varlen step time) and
+(varlen / dense ``attention_bytes``, the "attention memory"), ``speedup`` (dense / varlen step time) and
 ``loop_speedup`` (loop / varlen step time); per path ``digest``: for the output and dq, dk, dv,
 [sum(x * r), sum |x * r|] in float64 (r: the upstream gradient, or the input itself), so the paths' results can be
 compared. The parent process does not import torch; run it with the machine to itself (OMP_NUM_THREADS is

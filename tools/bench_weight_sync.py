@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: weight sync Megatron -> a real SGLang server, per method, against model size (issue 14 item 4).
+"""Benchmark: weight sync Megatron -> a real SGLang server, per method, against model size.
 
 For each model size (random Qwen3-style models, fp32, built here) one process holds the Megatron policy (TP1) and one
 SGLang server serves the same architecture; every method of opid_mega.megatron.weight_sync runs `--repeats` times

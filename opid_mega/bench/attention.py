@@ -82,6 +82,24 @@ def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
                                              v.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
 
+    def per_sequence():
+        """The naive scorer's attention: every branch is its own causal sequence [prefix || branch], so each branch
+        re-reads (and recomputes) the prefix; the prefix rows come from the first branch's pass."""
+        out = torch.empty_like(q)
+        per = prefix + branches * branch_tokens
+        for grp in range(groups):
+            base = grp * per
+            for b in range(branches):
+                s = base + prefix + b * branch_tokens
+                idx = torch.cat([torch.arange(base, base + prefix), torch.arange(s, s + branch_tokens)]).to(q.device)
+                o = F.scaled_dot_product_attention(q[idx].transpose(0, 1), k[idx].repeat_interleave(rep, 1)
+                                                   .transpose(0, 1), v[idx].repeat_interleave(rep, 1).transpose(0, 1),
+                                                   is_causal=True, scale=scale).transpose(0, 1)
+                if b == 0:
+                    out[base:base + prefix] = o[:prefix]
+                out[s:s + branch_tokens] = o[prefix:]
+        return out
+
     rows = []
     if device.type == "cuda":
         rows.append(Method("fork_attention", "ours", "Triton",
@@ -97,6 +115,8 @@ def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
         rows.append(Method("fork_attention", "ours", "Triton interpreter",
                            None if skip else lambda: fork_attention(q, k, v, cu, bid, backend="triton", meta=meta),
                            skip))
+    rows.append(Method("per-sequence causal SDPA (naive scorer: prefix per branch)", "peer", "eager",
+                       per_sequence))
     rows.append(Method("SDPA with the dense [N, N] mask", "peer", "eager", dense))
     if compile_peers:
         rows.append(Method("torch.compile(dense SDPA)", "peer", "inductor", torch.compile(dense, dynamic=False)))
