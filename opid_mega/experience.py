@@ -22,6 +22,7 @@ Columns (S step-samples in trajectory order, R = Σ response tokens, C = skill c
     skill_offsets            int64 [S+1]   CSR of the skill contexts per sample (kind order: episode, step)
     skill_kinds              list [C]      "episode" / "step"
     skill_insert_at          int64 [C]     token index in the prompt where the section goes
+    skill_drop               int64 [C]     leading tokens cut from the augmented prompt (algo.truncate_skill_context)
     section_offsets, section_tokens        CSR of each context's section token ids
     ref_logprobs             float32 [R]   the frozen reference (None without one)
     old_logprobs             float32 [R]   the old policy on the original context (PPO's old log-probs)
@@ -77,6 +78,7 @@ class Experience:
     skill_offsets: Optional[np.ndarray] = None
     skill_kinds: list = field(default_factory=list)
     skill_insert_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    skill_drop: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     section_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     section_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     ref_logprobs: Optional[torch.Tensor] = None
@@ -142,14 +144,19 @@ class Experience:
             out[self.skill_kinds[c]] = (int(self.skill_insert_at[c]), sec.tolist())
         return out
 
+    def drops(self, s: int) -> dict:
+        """{kind: leading tokens cut} of sample s's skill contexts that are truncated."""
+        return {self.skill_kinds[c]: int(self.skill_drop[c]) for c in range(self.skill_offsets[s], self.skill_offsets[s + 1])
+                if self.skill_drop[c] > 0}
+
     def score_requests(self) -> list:
-        return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s))
+        return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s), self.drops(s))
                 for s in range(self.num_samples)]
 
     def skill_columns(self) -> dict:
         """The skill contexts as the policy's training view takes them (TrainData's skill_* keyword arguments)."""
         return dict(skill_offsets=self.skill_offsets, insert_at=self.skill_insert_at,
-                    section_offsets=self.section_offsets, section_tokens=self.section_tokens)
+                    section_offsets=self.section_offsets, section_tokens=self.section_tokens, drop=self.skill_drop)
 
     @property
     def outcome_per_token(self) -> np.ndarray:
@@ -168,10 +175,17 @@ def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
     return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
 
 
-def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable, audit=None) -> None:
+def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable, audit=None,
+               max_prompt_tokens: Optional[int] = None) -> None:
     """Routes each kept trajectory's analysis to its step-samples (algo.route_skills by algo.routing and the use_*
     switches), fits every skill into its section budget (`fit_section(skill, kind) -> (skill, section ids)`; an
-    empty section is dropped) and audits each augmented prompt, once. grpo / skill_grpo score no skill context."""
+    empty section is dropped) and audits each augmented prompt, once. grpo / skill_grpo score no skill context.
+    algo.truncate_skill_context: an augmented prompt longer than `max_prompt_tokens` (rollout.max_prompt_tokens)
+    keeps its last max_prompt_tokens tokens, as the reference's left truncation does (skill_drop)."""
+    truncate = bool(getattr(algo_cfg, "truncate_skill_context", False))
+    if truncate and (max_prompt_tokens is None or max_prompt_tokens < 1):
+        raise ValueError("algo.truncate_skill_context needs max_prompt_tokens (rollout.max_prompt_tokens) >= 1, "
+                         f"got {max_prompt_tokens!r}")
     exp.analyses = list(analyses)
     per_traj: list = []
     for t, an in zip(exp.trajectories, exp.analyses):
@@ -187,7 +201,7 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     routes = [per_traj[int(ti)][int(si)] for ti, si in zip(exp.traj_index, exp.step_index)]
     if algo_cfg.mode in ("grpo", "skill_grpo"):  # no λΔ term: only the original context is scored
         routes = [{} for _ in routes]
-    per_sample, kinds, at_list, sections = [], [], [], []
+    per_sample, kinds, at_list, sections, drops = [], [], [], [], []
     for s, (step, route) in enumerate(zip(exp.steps, routes)):
         n = 0
         for kind, skill in sorted(route.items()):  # contexts in kind order, as the scorers take them
@@ -198,6 +212,7 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
             kinds.append(kind)
             at_list.append(at)
             sections.append(ids)
+            drops.append(max(0, int(exp.prompt_lens[s]) + len(ids) - int(max_prompt_tokens)) if truncate else 0)
             n += 1
             if audit is not None:
                 audit.log_augmented_prompt(iteration=exp.iteration, sample_id=exp.sample_id(s), kind=kind,
@@ -208,6 +223,7 @@ def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable,
     exp.skill_offsets = csr_offsets(per_sample)
     exp.skill_kinds = kinds
     exp.skill_insert_at = np.asarray(at_list, np.int64)
+    exp.skill_drop = np.asarray(drops, np.int64)
     exp.section_offsets = csr_offsets([len(x) for x in sections])
     exp.section_tokens = _cat_int32(sections)
 

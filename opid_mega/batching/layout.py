@@ -103,7 +103,7 @@ def csr_ranges(starts, lens) -> np.ndarray:
 
 
 def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, section_offsets,
-                   section_tokens) -> ContextBatch:
+                   section_tokens, drop=None) -> ContextBatch:
     """The fork-layout contexts of step-samples from their skill insertion points, with no per-token Python.
 
     Sample s is sequence `tokens[seq_offsets[s]:seq_offsets[s+1]]`, its first `prompt_lens[s]` tokens the prompt;
@@ -111,7 +111,11 @@ def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, s
     (`section_tokens[section_offsets[e]:section_offsets[e+1]]`) into the prompt before token `insert_at[e]`.
     Result: per sample its original context (the sequence), then `prompt[:at] + section + prompt[at:] + response`
     for each of its skill contexts in order; every context's resp_len is the sample's response length. The one
-    place the insertion rule becomes tokens: the scorers and the training micro-batches both come through here."""
+    place the insertion rule becomes tokens: the scorers and the training micro-batches both come through here.
+
+    `drop[e]` (int64 [E], default all 0): leading tokens cut from skill context e after the insertion (the
+    reference's left truncation of the augmented prompt to its last max_prompt_length tokens), taken from the head,
+    then the section, then the rest of the prompt; at least one prompt token must remain."""
     tokens = np.ascontiguousarray(tokens)
     if tokens.dtype not in (np.int32, np.int64):
         raise TypeError(f"tokens must have dtype int32 or int64, got {tokens.dtype}")
@@ -145,6 +149,19 @@ def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, s
         e = int(bad[0])
         raise ValueError(f"insert_at[{e}]={int(insert_at[e])} lies outside the prompt of sample {int(owner[e])} "
                          f"(0..{int(prompt_lens[owner[e]])})")
+    sec_lens = np.diff(section_offsets)
+    drop = np.zeros(E, np.int64) if drop is None else np.ascontiguousarray(drop, np.int64)
+    if drop.shape != (E,):
+        raise ValueError(f"drop has shape {drop.shape}, expected ({E},) (one per skill context)")
+    bad = np.flatnonzero((drop < 0) | (drop >= prompt_lens[owner] + sec_lens))
+    if bad.size:
+        e = int(bad[0])
+        raise ValueError(f"drop[{e}]={int(drop[e])} must be in [0, {int(prompt_lens[owner[e]] + sec_lens[e]) - 1}] "
+                         "(the augmented prompt's length - 1: a context keeps at least one prompt token)")
+    # the cut, piece by piece: the head first, then the section, then the rest of the prompt
+    cut_head = np.minimum(drop, insert_at)
+    cut_sec = np.minimum(drop - cut_head, sec_lens)
+    cut_rest = drop - cut_head - cut_sec
     # Pieces in output order: per sample [its sequence] then, per skill context, [prompt head | section | rest].
     # Positions of the pieces in a pool [tokens | section_tokens].
     n_pieces = 1 + 3 * n_skill
@@ -154,9 +171,9 @@ def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, s
     starts[piece0], lens[piece0] = seq_offsets[:-1], seq_lens
     head = piece0[owner] + 1 + 3 * (np.arange(E, dtype=np.int64) - skill_offsets[:-1][owner])
     seq0 = seq_offsets[:-1][owner]
-    starts[head], lens[head] = seq0, insert_at
-    starts[head + 1], lens[head + 1] = tokens.size + section_offsets[:-1], np.diff(section_offsets)
-    starts[head + 2], lens[head + 2] = seq0 + insert_at, seq_lens[owner] - insert_at
+    starts[head], lens[head] = seq0 + cut_head, insert_at - cut_head
+    starts[head + 1], lens[head + 1] = tokens.size + section_offsets[:-1] + cut_sec, sec_lens - cut_sec
+    starts[head + 2], lens[head + 2] = seq0 + insert_at + cut_rest, seq_lens[owner] - insert_at - cut_rest
     pool = np.concatenate([tokens, section_tokens]) if section_tokens.size else tokens
     out = np.ascontiguousarray(pool[csr_ranges(starts, lens)])
     ctx_lens = np.zeros(S + E, np.int64)
@@ -164,7 +181,7 @@ def skill_contexts(tokens, seq_offsets, prompt_lens, skill_offsets, insert_at, s
     ctx_lens[ctx_of_sample[:-1]] = seq_lens
     skill_ctx = np.ones(S + E, bool)
     skill_ctx[ctx_of_sample[:-1]] = False
-    ctx_lens[skill_ctx] = seq_lens[owner] + np.diff(section_offsets)
+    ctx_lens[skill_ctx] = seq_lens[owner] + sec_lens - drop
     resp = np.repeat(seq_lens - prompt_lens, 1 + n_skill)
     return ContextBatch(out, csr_offsets(ctx_lens), resp, ctx_of_sample)
 

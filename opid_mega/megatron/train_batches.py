@@ -48,11 +48,13 @@ class TrainData:
     values: dict = field(default_factory=dict)
     # optional skill contexts, as the record keeps them (opid_mega.experience): sample s owns skill contexts
     # skill_offsets[s]:skill_offsets[s+1]; skill context e inserts section e
-    # (section_tokens[section_offsets[e]:section_offsets[e+1]]) into the sample's prompt before token insert_at[e]
+    # (section_tokens[section_offsets[e]:section_offsets[e+1]]) into the sample's prompt before token insert_at[e],
+    # then loses its first drop[e] tokens (optional, default 0: algo.truncate_skill_context)
     skill_offsets: Optional[np.ndarray] = None
     insert_at: Optional[np.ndarray] = None
     section_offsets: Optional[np.ndarray] = None
     section_tokens: Optional[np.ndarray] = None
+    drop: Optional[np.ndarray] = None
 
     def __post_init__(self):
         self.tokens = np.ascontiguousarray(self.tokens, np.int32)
@@ -89,6 +91,8 @@ class TrainData:
         given = [x is not None for x in (self.skill_offsets, self.insert_at, self.section_offsets,
                                          self.section_tokens)]
         if not any(given):
+            if self.drop is not None:
+                raise ValueError("drop is given without skill contexts")
             return
         if not all(given):
             raise ValueError("skill contexts need skill_offsets, insert_at, section_offsets and section_tokens "
@@ -96,6 +100,8 @@ class TrainData:
         self.skill_offsets, self.insert_at, self.section_offsets = (
             np.ascontiguousarray(x, np.int64) for x in (self.skill_offsets, self.insert_at, self.section_offsets))
         self.section_tokens = np.ascontiguousarray(self.section_tokens, np.int32)
+        self.drop = (np.zeros(self.insert_at.size, np.int64) if self.drop is None
+                     else np.ascontiguousarray(self.drop, np.int64))
         self.contexts()  # every error of the columns, named, at construction
 
     def contexts(self):
@@ -103,7 +109,8 @@ class TrainData:
         from opid_mega.batching.layout import skill_contexts
 
         return skill_contexts(self.tokens, self.seq_offsets, np.diff(self.seq_offsets) - self.resp_lens,
-                              self.skill_offsets, self.insert_at, self.section_offsets, self.section_tokens)
+                              self.skill_offsets, self.insert_at, self.section_offsets, self.section_tokens,
+                              self.drop)
 
     @property
     def has_skills(self) -> bool:
@@ -145,7 +152,8 @@ class TrainData:
             ctx = csr_ranges(self.skill_offsets[idx], per)
             slens = np.diff(self.section_offsets)[ctx]
             skills = dict(skill_offsets=csr_offsets(per), insert_at=self.insert_at[ctx], section_offsets=csr_offsets(slens),
-                          section_tokens=self.section_tokens[csr_ranges(self.section_offsets[ctx], slens)])
+                          section_tokens=self.section_tokens[csr_ranges(self.section_offsets[ctx], slens)],
+                          drop=self.drop[ctx])
         return TrainData(self.tokens[tok], csr_offsets(seq_lens), self.resp_lens[idx],
                          {k: v[val] for k, v in self.values.items()}, **skills)
 

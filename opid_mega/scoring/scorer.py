@@ -26,12 +26,14 @@ class ScoreRequest:
     """One step-sample: its rollout prompt, its response, and the skill sections to score it with.
 
     `skills[kind] = (insert_at, section_ids)`: the skill context is
-    `prompt_ids[:insert_at] + section_ids + prompt_ids[insert_at:] + response_ids`.
+    `prompt_ids[:insert_at] + section_ids + prompt_ids[insert_at:] + response_ids`, less its first `drop[kind]`
+    tokens (default 0; algo.truncate_skill_context: the augmented prompt left-truncated as the reference does).
     """
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     skills: dict = field(default_factory=dict)
+    drop: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for kind, (at, _section) in self.skills.items():
@@ -40,6 +42,12 @@ class ScoreRequest:
                                  f"(0..{len(self.prompt_ids)})")
         if len(self.prompt_ids) == 0:
             raise ValueError("ScoreRequest: empty prompt")
+        for kind, n in self.drop.items():
+            if kind not in self.skills:
+                raise ValueError(f"ScoreRequest: drop given for {kind!r}, which has no skill context")
+            if not 0 <= n < len(self.prompt_ids) + len(self.skills[kind][1]):
+                raise ValueError(f"ScoreRequest: drop[{kind!r}]={n} must leave at least one prompt token "
+                                 f"(0..{len(self.prompt_ids) + len(self.skills[kind][1]) - 1})")
 
 
 def context_batch(requests: Sequence[ScoreRequest]) -> tuple[ContextBatch, list]:
@@ -54,7 +62,8 @@ def context_batch(requests: Sequence[ScoreRequest]) -> tuple[ContextBatch, list]
     ctx = skill_contexts(tokens, csr_offsets([x.size for x in seqs]), [len(r.prompt_ids) for r in requests],
                          csr_offsets([len(ks) - 1 for ks in kinds]), [at for at, _ in sections],
                          csr_offsets([x.size for x in sec_ids]),
-                         np.concatenate(sec_ids) if sec_ids else np.zeros(0, np.int64))
+                         np.concatenate(sec_ids) if sec_ids else np.zeros(0, np.int64),
+                         [r.drop.get(k, 0) for r, ks in zip(requests, kinds) for k in ks[1:]])
     return ctx, kinds
 
 
