@@ -223,9 +223,9 @@ class AlgoConfig:
     delta_topk: int = 32  # k of topk_kl: the top-k ids of p_s, plus one bucket for the rest
     # weight of the distillation loss KL(p_o || p_s) through the original context, on skill-routed tokens (0: off)
     distill_coef: float = 0.0
-    # an augmented prompt longer than rollout.max_prompt_tokens: false = scored whole (ours: every skill context keeps the
-    # prompt's start, chat header and task included); true = left-truncated to its last max_prompt_tokens tokens after
-    # the section is inserted, as the reference does
+    # an augmented prompt longer than rollout.max_prompt_tokens: false = scored whole (ours: every skill context keeps
+    # the prompt's start, chat header and task included); true = left-truncated to its last max_prompt_tokens tokens
+    # after the section is inserted, as the reference does
     truncate_skill_context: bool = False
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -146,8 +146,8 @@ class Experience:
 
     def drops(self, s: int) -> dict:
         """{kind: leading tokens cut} of sample s's skill contexts that are truncated."""
-        return {self.skill_kinds[c]: int(self.skill_drop[c]) for c in range(self.skill_offsets[s], self.skill_offsets[s + 1])
-                if self.skill_drop[c] > 0}
+        own = range(self.skill_offsets[s], self.skill_offsets[s + 1])
+        return {self.skill_kinds[c]: int(self.skill_drop[c]) for c in own if self.skill_drop[c] > 0}
 
     def score_requests(self) -> list:
         return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s), self.drops(s))

@@ -114,7 +114,8 @@ def _fit(skill, kind):
     return skill, [7000 + len(skill)] * len(skill.split())  # one id per word
 
 
-ANALYSES = [Analysis("sum", "a b c d", {0: "x y"}), Analysis("sum", "one", {}), Analysis("sum", "e f g h i j k", {1: "z"})]
+ANALYSES = [Analysis("sum", "a b c d", {0: "x y"}), Analysis("sum", "one", {}),
+            Analysis("sum", "e f g h i j k", {1: "z"})]
 
 
 @pytest.mark.parametrize("truncate", [False, True])
@@ -140,8 +141,8 @@ def test_add_skills_cuts_what_the_reference_cuts(truncate):
     # the training view's subsets keep each context's cut
     idx = np.array([5, 0, 3])
     sub = teacher.subset(idx)
-    per = [want[int(csr_offsets(1 + np.diff(exp.skill_offsets))[i]):int(csr_offsets(1 + np.diff(exp.skill_offsets))[i + 1])]
-           for i in idx]
+    own = csr_offsets(1 + np.diff(exp.skill_offsets))  # each sample's contexts in `want`
+    per = [want[int(own[i]):int(own[i + 1])] for i in idx]
     assert contexts_of(sub.contexts()) == [c for p in per for c in p]
     if not truncate:
         assert not exp.skill_drop.any()
@@ -162,7 +163,8 @@ VOCAB, DIM = 23, 8
 
 def _params(seed):
     g = torch.Generator().manual_seed(seed)
-    p = [torch.randn(VOCAB, DIM, generator=g, dtype=torch.float64), torch.randn(64, DIM, generator=g, dtype=torch.float64)]
+    p = [torch.randn(VOCAB, DIM, generator=g, dtype=torch.float64),
+         torch.randn(64, DIM, generator=g, dtype=torch.float64)]
     p += [torch.randn(DIM, DIM, generator=g, dtype=torch.float64) / 2 for _ in range(3)]
     return p + [torch.randn(DIM, VOCAB, generator=g, dtype=torch.float64)]
 
