@@ -9,8 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ["env", "install", "kernel_tests", "bench_logprob", "bench_divergence", "rescoring", "ppo_step",
-          "local_engine"]
+STAGES = ["env", "install", "kernel_tests", "bench_logprob", "bench_divergence", "bench_fork_attention", "rescoring",
+          "ppo_step", "local_engine"]
 
 
 def _limits():
@@ -39,10 +39,14 @@ def test_gpu_check_dry_run(tmp_path):
         if s["status"] == "ok":  # its own limit at least (less only by the script's own seconds between stages)
             assert s["given_s"] >= s["limit_s"] - 5 and s["seconds"] <= s["given_s"] + 10, s
     assert summary["bf16_matmul_tflops"] > 0 and summary["exit_status"] == 0
-    for name in ("env", "kernel_tests", "bench_logprob", "bench_divergence"):
+    for name in ("env", "kernel_tests", "bench_logprob", "bench_divergence", "bench_fork_attention"):
         assert by[name]["status"] == "ok", by[name]
     assert by["kernel_tests"]["figures"]["passed"] > 0 and by["kernel_tests"]["figures"]["failures"] == 0
-    assert all(c["share_of_matmul"] is not None for c in by["bench_logprob"]["figures"].values())
+    for name in ("bench_logprob", "bench_divergence", "bench_fork_attention"):  # opid-bench's rows, read back
+        cases = by[name]["figures"].values()
+        assert cases and all(c["share_of_matmul"] is not None and c["max_error"] is not None for c in cases), name
+        peers = [v for c in cases for v in c.values() if isinstance(v, dict)]
+        assert any(v.get("speed_ratio") for v in peers) and all(v.get("speed_ratio") or v.get("skipped") for v in peers)
     if by["install"]["status"] == "ok":  # gpu_wheels/ is there: the package still comes from the checkout
         assert by["install"]["figures"]["opid_mega.kernels"].endswith(os.path.join("opid_mega", "kernels",
                                                                                    "__init__.py"))
@@ -134,3 +138,25 @@ def test_only_the_selected_stages_run(tmp_path):
     assert all(status[n] == ("skipped", "not in GPU_CHECK_ONLY=env,bench_divergence") for n in others), status
     assert status["install"][0] == "skipped"  # not selected (or no wheels): either way it says why
     assert sorted(p.name for p in out.iterdir()) == ["bench_divergence.json", "stages.log", "summary.json"]
+
+
+def test_the_check_s_random_bf16_model_keeps_exact_rope_frequencies():
+    """Qwen3ForCausalLM(config).to(bf16) rounds the rotary inv_freq buffer to bf16 (HF's from_pretrained(dtype=...)
+    keeps it fp32): the engine and the reference built from such a model would both carry a position-growing phase
+    error the trainer's exact RoPE has not, and the engine stage would report that as the trainer's error."""
+    import importlib.util
+
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("gpu_model_stages", os.path.join(root, "tools", "gpu_model_stages.py"))
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    model = stages.random_qwen3(shape, "bfloat16")
+    inv = model.model.rotary_emb.inv_freq
+    exact = [1.0 / 10000.0 ** (2 * i / 16) for i in range(8)]  # base 10000 (Qwen3Config's default), head_dim 16
+    assert inv.dtype == torch.float32
+    assert torch.allclose(inv.double(), torch.tensor(exact, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert next(model.parameters()).dtype == torch.bfloat16

@@ -53,12 +53,17 @@ def random_qwen3(shape: dict, dtype: str):
     """A random Qwen3 (seeded) in `dtype`, built on the GPU when there is one."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     config = Qwen3Config(vocab_size=VOCAB, **shape, **TOKEN_IDS, tie_word_embeddings=True,
                          max_position_embeddings=4096, dtype=dtype)
     torch.manual_seed(0)
     with _device():
         model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+        # .to(bf16) also rounds the rotary inv_freq buffer to bf16 (a phase error growing with the position: 3% of
+        # the attention output at position 600); from_pretrained(dtype=...), the engines' path, keeps it in fp32,
+        # and so does every reference built from this model
+        model.model.rotary_emb = Qwen3RotaryEmbedding(config=config)
     model.generation_config.eos_token_id = [151645, 151643]
     return model
 
