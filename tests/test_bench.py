@@ -88,7 +88,9 @@ def test_report_regenerates_and_checks_markdown(tmp_path):
     run.mkdir()
     (run / "fork_attention.json").write_text(json.dumps(result))
     doc = tmp_path / "perf.md"
-    doc.write_text(f"intro\n{cli.BEGIN}\nold\n{cli.END}\nafter\n")
+    begin, end = cli.markers(str(run))
+    assert (begin, end) == ("<!-- opid-bench tables: begin run -->", "<!-- opid-bench tables: end run -->")
+    doc.write_text(f"intro\n{begin}\nold\n{end}\nafter\n")
     assert cli.report(str(run), str(doc), check=True) == 1
     assert cli.report(str(run), str(doc)) == 0
     assert cli.report(str(run), str(doc), check=True) == 0
@@ -96,9 +98,10 @@ def test_report_regenerates_and_checks_markdown(tmp_path):
     assert text.startswith("intro\n") and text.endswith("after\n") and "FlexAttention" in text
 
 
-def test_committed_docs_tables_match_the_committed_run():
-    run = os.path.join(ROOT, "docs", "bench", "ci")
-    assert cli.report(run, os.path.join(ROOT, "docs", "performance.md"), check=True) == 0
+@pytest.mark.parametrize("run", ["ci", "gpu_h200"])
+def test_committed_docs_tables_match_the_committed_run(run):
+    assert cli.report(os.path.join(ROOT, "docs", "bench", run), os.path.join(ROOT, "docs", "performance.md"),
+                      check=True) == 0
 
 
 def test_cli_list_and_bad_input():

@@ -14,7 +14,11 @@ import sys
 import time
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-BEGIN, END = "<!-- opid-bench tables: begin -->", "<!-- opid-bench tables: end -->"
+def markers(run_dir: str) -> tuple:
+    """The comment lines around a run's tables in a markdown file, named by the run's folder (docs/bench/ci -> ci),
+    so one file holds the tables of several runs (CPU, GPU)."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    return f"<!-- opid-bench tables: begin {name} -->", f"<!-- opid-bench tables: end {name} -->"
 
 
 def _ops():
@@ -104,6 +108,7 @@ def report(run_dir: str, markdown: str = None, check: bool = False) -> int:
         return 0
     with open(markdown) as fh:
         text = fh.read()
+    BEGIN, END = markers(run_dir)
     if BEGIN not in text or END not in text:
         raise SystemExit(f"opid-bench report: {markdown} lacks the markers {BEGIN} ... {END}")
     head, rest = text.split(BEGIN, 1)
