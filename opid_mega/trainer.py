@@ -398,7 +398,8 @@ class Trainer:
             for t, an in zip(exp.trajectories, analyses):
                 if an is not None:
                     self.skill_bank[t.task_id] = an.episode_skill  # t.task_id == skill_key(its task)
-        experience.add_skills(exp, analyses, cfg.algo, self.fit_section, self.audit)
+        experience.add_skills(exp, analyses, cfg.algo, self.fit_section, self.audit,
+                              max_prompt_tokens=cfg.rollout.max_prompt_tokens)
 
     def train_data(self, exp: Experience):
         """The policy's view of the record: sequences, response lengths, old log-probs, advantages, reference

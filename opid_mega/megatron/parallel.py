@@ -57,9 +57,10 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
                                  "(deploy.train_gpus_per_node); start as many ranks per node as training GPUs")
             torch.cuda.set_device(gpu_ids[local] if gpu_ids else local)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # A lone process hosts its own rendezvous: take a fresh port rather than one inherited from a parent
-            # (a test runner, a benchmark driver) that may still be listening on it.
+            # (a test runner, a benchmark driver) that may still be listening on it; under torchrun's agent store
+            # the port is the agent's, where the store already listens.
             os.environ["MASTER_PORT"] = str(_free_port())
         else:
             os.environ.setdefault("MASTER_PORT", str(_free_port()))

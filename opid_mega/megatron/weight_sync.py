@@ -1,4 +1,4 @@
-"""Weight sync Megatron -> rollout engines (issue 14 item 4; config section `sync`).
+"""Weight sync Megatron -> rollout engines (config section `sync`).
 
     sync = WeightSync(policy, engine, cfg, run_dir)        # every rank (engine None off global rank 0)
     metrics = sync()                                       # a collective: every rank calls it after each update
