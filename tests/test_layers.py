@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ["opid_mega", "opid_mega.infra", "opid_mega.models", "opid_mega.placement", "opid_mega.kernels",
      "opid_mega.plugins"],
-    ["opid_mega.algo"],
+    ["opid_mega.algo", "opid_mega.bench"],
     ["opid_mega.batching"],
     ["opid_mega.scoring"],
     ["opid_mega.envs"],
