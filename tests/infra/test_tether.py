@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from procs import group_members
 
 from opid_mega.infra import tether
 
@@ -31,21 +32,6 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-def _group(pgid: int) -> list:
-    """Live (non-zombie) processes of process group `pgid`."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                out.append(int(d))
-    return out
-
-
 def _launch(run_dir, tie: bool):
     """(launcher process, server pid) once the server group holds the server and, when tied, its watcher."""
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir), "tie" if tie else "free"],
@@ -53,20 +39,20 @@ def _launch(run_dir, tie: bool):
     server = int(launcher.stdout.readline())
     want = 2 if tie else 1
     t0 = time.monotonic()
-    while len(_group(server)) < want and time.monotonic() - t0 < 30:
+    while len(group_members(server)) < want and time.monotonic() - t0 < 30:
         time.sleep(0.05)
-    assert len(_group(server)) == want, _group(server)
+    assert len(group_members(server)) == want, group_members(server)
     return launcher, server
 
 
 def _wait_gone(pgid: int, timeout_s: float) -> float:
     t0 = time.monotonic()
-    while _group(pgid) and time.monotonic() - t0 < timeout_s:
+    while group_members(pgid) and time.monotonic() - t0 < timeout_s:
         time.sleep(0.05)
     return time.monotonic() - t0
 
 
-def _kill_group(pgid: int) -> None:
+def _killgroup_members(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -95,10 +81,10 @@ def test_sigkilled_launcher_takes_its_server_along(tmp_path):
         launcher.wait()
         gone_s = _wait_gone(server, 10.0)
         print(f"server group gone {gone_s:.2f} s after SIGKILL of its launcher")
-        assert not _group(server), "the server outlived its SIGKILLed launcher by 10 s"
+        assert not group_members(server), "the server outlived its SIGKILLed launcher by 10 s"
     finally:
         launcher.kill()
-        _kill_group(server)
+        _killgroup_members(server)
     # the record of the dead start is swept without a kill and without a line (nothing was left)
     lines = []
     assert tether.sweep(tmp_path, out=_Lines(lines)) == [] and lines == []
@@ -108,7 +94,7 @@ def test_sigkilled_launcher_takes_its_server_along(tmp_path):
 def test_the_server_exiting_first_ends_the_watcher(tmp_path):
     launcher, server = _launch(tmp_path, tie=True)
     try:
-        watcher = [p for p in _group(server) if p != server][0]
+        watcher = [p for p in group_members(server) if p != server][0]
         os.kill(server, signal.SIGKILL)  # only the server: the watcher must notice and exit by itself
         t0 = time.monotonic()
         while tether.start_time(watcher) is not None and time.monotonic() - t0 < 10:
@@ -118,7 +104,7 @@ def test_the_server_exiting_first_ends_the_watcher(tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
-        _kill_group(server)
+        _killgroup_members(server)
 
 
 class _Lines:
@@ -141,7 +127,7 @@ def test_a_restart_reports_and_stops_leftovers_and_nothing_else(tmp_path):
         dead.send_signal(signal.SIGKILL)
         dead.wait()
         time.sleep(1.0)
-        assert _group(leftover), "the untied server should outlive its launcher"
+        assert group_members(leftover), "the untied server should outlive its launcher"
         # a record naming a live pid with another start time (a pid reused since): removed, never killed
         reused = tmp_path / "pids" / f"{os.uname().nodename}.{bystander.pid}.json"
         entry = json.loads(next((tmp_path / "pids").glob(f"*.{leftover}.json")).read_text())
@@ -149,15 +135,15 @@ def test_a_restart_reports_and_stops_leftovers_and_nothing_else(tmp_path):
         lines = []
         assert tether.sweep(tmp_path, out=_Lines(lines)) == [leftover]
         assert len(lines) == 1 and f"pid {leftover}" in lines[0] and "test server" in lines[0], lines
-        assert not _group(leftover)
+        assert not group_members(leftover)
         assert bystander.poll() is None and not reused.exists()
-        assert len(_group(running_server)) == 2  # the live start's server and its watcher: untouched
+        assert len(group_members(running_server)) == 2  # the live start's server and its watcher: untouched
         remaining = sorted(p.name for p in (tmp_path / "pids").glob("*.json"))
         assert remaining == [f"{os.uname().nodename}.{running_server}.json"], remaining
     finally:
         for p in (dead, live, bystander):
             p.kill()
             p.wait()
-        _kill_group(leftover)
+        _killgroup_members(leftover)
         _wait_gone(running_server, 10.0)
-        _kill_group(running_server)
+        _killgroup_members(running_server)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from procs import group_members
 from tolerance import assert_close_scaled
 
 from .conftest import CONFIG, TINY
@@ -136,20 +137,6 @@ def test_disaggregated_rollout_beside_the_update_gives_the_colocated_metrics(tmp
             assert_close_scaled(mb.get(k), ma[k], rel=1e-5, floor=1.0, msg=f"step {ma['step']} {k}")
 
 
-def _group_alive(pgid: int) -> list:
-    alive = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(d))
-    return alive
-
-
 @pytest.mark.slow
 def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
     """SIGINT to the run's whole process group (what Ctrl-C in a terminal does) inside iteration 2: exit 130, one line
@@ -184,6 +171,6 @@ def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
     # the iteration in progress; its own checkpoint counts once written (a Ctrl-C during a write waits for it)
     assert m and int(m[1]) in (2, 3) and int(m[2]) in (int(m[1]) - 1, int(m[1])), lines[0]
     deadline = time.time() + 20
-    while _group_alive(proc.pid) and time.time() < deadline:
+    while group_members(proc.pid) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _group_alive(proc.pid), "processes of the run outlived it"
+    assert not group_members(proc.pid), "processes of the run outlived it"
