@@ -46,45 +46,13 @@ def _reexec_with_mmap_threshold():
         os.execve(sys.executable, [sys.executable] + sys.argv, env)
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} missing from /proc/self/status")
-
-
-class PeakMeter:
-    def __init__(self, device):
-        self.device = device
-
-    def __enter__(self):
-        import torch
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.before = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.before = _status_bytes("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.before
-        else:
-            self.peak = _status_bytes("VmHWM") - self.before
-        return False
-
-
 def measure(call, methods, device, grad_bytes: int, repeats: int, case: dict) -> dict:
     """Per method: a warm-up call (kernel compilation), one call under PeakMeter (its extra peak memory minus the
     `grad_bytes` the gradients themselves take, into case["peak_bytes"]) and the median of `repeats` timed calls
     (case["seconds"]). Returns each method's measured result."""
     import torch
+
+    from opid_mega.bench.core import PeakMeter  # opid-bench's meter: CUDA allocator peak, or VmHWM on the CPU
 
     def sync():
         if device.type == "cuda":

@@ -34,6 +34,14 @@ def _triton_rows(device: torch.device, elements: int, what: str):
     return "Triton interpreter", None
 
 
+def compiled_peer(naive, call, compile_peers: bool) -> Method:
+    """The torch.compile row of a naive path (skipped with --no-compile); `call(f)` times the case with `f`."""
+    if not compile_peers:
+        return Method("torch.compile(naive)", "peer", "inductor", skipped="--no-compile")
+    compiled = torch.compile(naive, dynamic=False)
+    return Method("torch.compile(naive)", "peer", "inductor", lambda: call(compiled))
+
+
 def _inputs(n, h, v, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
@@ -89,12 +97,7 @@ def _logprob_case(n, h, v, dtype_name, pass_, device, compile_peers) -> Case:
                     lambda hh, ww: fused_logprobs(hh, ww, targets, backend="triton")), skip))
             rows.append(Method("naive full logits", "peer", "eager", lambda: run(
                 lambda hh, ww: naive_logprobs(hh, ww, targets))))
-            if compile_peers:
-                compiled = torch.compile(naive_logprobs, dynamic=False)
-                rows.append(Method("torch.compile(naive)", "peer", "inductor", lambda c=compiled: run(
-                    lambda hh, ww: c(hh, ww, targets))))
-            else:
-                rows.append(Method("torch.compile(naive)", "peer", "inductor", skipped="--no-compile"))
+            rows.append(compiled_peer(naive_logprobs, lambda c: run(lambda hh, ww: c(hh, ww, targets)), compile_peers))
             fn, why = _liger("ce")
             runs_as, skip = _triton_rows(device, n * v, "Liger")
             skip = why or skip
@@ -160,12 +163,8 @@ def _divergence_case(n, h, v, dtype_name, device, compile_peers) -> Case:
                 lambda hs, ho, ww: dual_context_divergence(hs, ho, ww, targets, backend="triton")), skip))
         rows.append(Method("naive two full log-softmaxes", "peer", "eager", lambda: run(
             lambda hs, ho, ww: naive_divergence(hs, ho, ww, targets))))
-        if compile_peers:
-            compiled = torch.compile(naive_divergence, dynamic=False)
-            rows.append(Method("torch.compile(naive)", "peer", "inductor", lambda c=compiled: run(
-                lambda hs, ho, ww: c(hs, ho, ww, targets))))
-        else:
-            rows.append(Method("torch.compile(naive)", "peer", "inductor", skipped="--no-compile"))
+        rows.append(compiled_peer(naive_divergence, lambda c: run(lambda hs, ho, ww: c(hs, ho, ww, targets)),
+                                  compile_peers))
         fn, why = _liger("jsd")
         runs_as, skip = _triton_rows(device, n * v, "Liger")
         skip = why or skip
