@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import group_members
 
 from .conftest import CONFIG, TINY
-from .test_e2e import DETERMINISTIC, ENV, _group_alive
+from .test_e2e import DETERMINISTIC, ENV
 
 ARGS = TINY + ["train.iterations=2", "train.save_interval=1", "train.keep_checkpoints=0"]
 FAULT_ENV = "OPID_CKPT_FAULT"  # opid_mega.megatron.checkpoint.FAULT_ENV (not imported: no megatron import here)
@@ -61,7 +62,7 @@ def _kill_group(proc) -> None:
     if proc.poll() is None:
         proc.wait()
     deadline = time.time() + 20
-    while _group_alive(proc.pid) and time.time() < deadline:
+    while group_members(proc.pid) and time.time() < deadline:
         time.sleep(0.2)
 
 
