@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ["opid_mega", "opid_mega.infra", "opid_mega.models", "opid_mega.placement", "opid_mega.kernels",
      "opid_mega.plugins"],
-    ["opid_mega.algo", "opid_mega.bench"],
+    ["opid_mega.algo"],
     ["opid_mega.batching"],
     ["opid_mega.scoring"],
     ["opid_mega.envs"],
@@ -25,7 +25,7 @@ LAYERS = [
      "opid_mega.plan"],
     ["opid_mega.pipeline"],
     ["opid_mega.export", "opid_mega.report", "opid_mega.trainer"],
-    ["opid_mega.cli"],
+    ["opid_mega.cli", "opid_mega.bench"],
 ]
 LAYER = {node: i for i, nodes in enumerate(LAYERS) for node in nodes}
 

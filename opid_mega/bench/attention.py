@@ -130,3 +130,9 @@ def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
              "heads": hq, "kv_heads": hkv, "head_dim": d, "attended_pairs": pairs}
     return Case(f"fwd {dtype_name}", shape, dtype_name, 4 * pairs * hq * d, rows,
                 lambda out: {"out": max_abs(out, ref)})
+
+
+OPS = {
+    "fork_attention": ("fork attention alone: shared prefix once, branches apart (scoring forward)",
+                       fork_attention_cases),
+}

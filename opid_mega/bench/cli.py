@@ -21,20 +21,10 @@ def markers(run_dir: str) -> tuple:
     return f"<!-- opid-bench tables: begin {name} -->", f"<!-- opid-bench tables: end {name} -->"
 
 
-def _ops():
-    from .attention import fork_attention_cases
-    from .heads import divergence_cases, logprob_cases
-    return {
-        "logprob": ("token log-probs from hidden states, fwd and fwd+bwd (fused_logprobs)", logprob_cases),
-        "divergence": ("dual-context divergence head: log-probs under both contexts and both KLs, fwd+bwd",
-                       divergence_cases),
-        "fork_attention": ("fork attention alone: shared prefix once, branches apart (scoring forward)",
-                           fork_attention_cases),
-    }
-
-
-OP_NAMES = ("logprob", "divergence", "fork_attention")
-# Benchmarks that still live in their own scripts (their own presets and JSON), listed so that `list` shows them.
+# The modules of opid-bench's ops; each defines OPS = {name: (what it measures, cases(preset, device, compile_peers))}.
+OP_MODULES = ("heads", "attention", "scoring", "systems")
+# Benchmarks that still live in their own scripts (their own presets and JSON), listed so that `list` shows them
+# until an op of the same name exists.
 SCRIPTS = {
     "rescoring": "tools/bench_rescoring.py (naive vs fork scoring on a megatron-core model, both placements)",
     "train_attention": "tools/bench_train_attention.py (training attention: varlen vs loop)",
@@ -42,6 +32,24 @@ SCRIPTS = {
     "weight_sync": "tools/bench_weight_sync.py (trainer -> engine weight update)",
     "env_worker": "tools/bench_env_process.py (environment worker processes)",
 }
+
+
+def _ops() -> dict:
+    import importlib
+    ops = {}
+    for mod in OP_MODULES:
+        ops.update(importlib.import_module(f"{__package__}.{mod}").OPS)
+    return ops
+
+
+def op_names() -> tuple:
+    return tuple(_ops())
+
+
+def scripts() -> dict:
+    """The benchmarks not yet in opid-bench."""
+    ops = _ops()
+    return {k: v for k, v in SCRIPTS.items() if k not in ops}
 
 
 def _gpu_present(device_arg) -> bool:
@@ -84,9 +92,9 @@ def _write(path: str, result: dict):
 
 
 def render(results: list) -> str:
-    """Markdown of a named run: one table per op, in OP_NAMES order."""
+    """Markdown of a named run: one table per op, in the order of `opid-bench list`."""
     from .core import table
-    order = {n: i for i, n in enumerate(OP_NAMES)}
+    order = {n: i for i, n in enumerate(op_names())}
     results = sorted(results, key=lambda r: order.get(r["op"], len(order)))
     return "\n\n".join(table(r, markdown=True) for r in results) + "\n"
 
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="opid-bench", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="ops: " + ", ".join(OP_NAMES) + "; presets: " + ", ".join(PRESETS))
+                                 epilog="ops: " + ", ".join(op_names()) + "; presets: " + ", ".join(PRESETS))
     ap.add_argument("op", help="an op (see `opid-bench list`), `all`, `list` or `report`")
     ap.add_argument("run_dir", nargs="?", help="report: the folder of a run's JSON results")
     ap.add_argument("--preset", default="ci", choices=list(PRESETS),
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
     if args.op == "list":
         for name, (what, _) in _ops().items():
             print(f"{name:16s} {what}")
-        for name, where in SCRIPTS.items():
+        for name, where in scripts().items():
             print(f"{name:16s} not in opid-bench yet: {where}")
         print("presets:")
         for p in PRESETS.values():
@@ -163,11 +171,12 @@ def main(argv=None) -> int:
         if not args.run_dir:
             ap.error("report needs the folder of a run's JSON results")
         return report(args.run_dir, args.markdown, args.check)
-    ops = OP_NAMES if args.op == "all" else (args.op,)
-    unknown = [o for o in ops if o not in OP_NAMES]
+    names = op_names()
+    ops = names if args.op == "all" else (args.op,)
+    unknown = [o for o in ops if o not in names]
     if unknown:
-        hint = f" (still {SCRIPTS[unknown[0]]})" if unknown[0] in SCRIPTS else ""
-        ap.error(f"unknown op {unknown[0]!r}{hint}; ops: {', '.join(OP_NAMES)}")
+        hint = f" (still {scripts()[unknown[0]]})" if unknown[0] in scripts() else ""
+        ap.error(f"unknown op {unknown[0]!r}{hint}; ops: {', '.join(names)}")
     if args.op == "all" and args.json:
         ap.error("all writes one file per op: use --json-dir")
     _reexec(args.device)

@@ -173,3 +173,10 @@ def _divergence_case(n, h, v, dtype_name, device, compile_peers) -> Case:
         grad_bytes = (n * h + v * h) * h_orig.element_size()
         return Case(f"fwd+bwd {dtype_name}", {"N": n, "H": h, "V": v}, dtype_name, 10 * n * h * v, rows,
                     error, grad_bytes)
+
+
+OPS = {
+    "logprob": ("token log-probs from hidden states, fwd and fwd+bwd (fused_logprobs)", logprob_cases),
+    "divergence": ("dual-context divergence head: log-probs under both contexts and both KLs, fwd+bwd",
+                   divergence_cases),
+}
