@@ -8,6 +8,10 @@ Schema of one op's result (what `--json` writes):
             the float64 reference}, "ratio_to_bound"} or {"name", "role", "skipped": "one-line reason"}.
 The bound of a case is its FLOPs at this machine's measured matmul rate for the case dtype (the time the
 unavoidable matmul work alone would take); `ratio_to_bound` = seconds / bound_s (1.0 = as fast as that matmul).
+A case without FLOPs may give `copy_bytes` instead (bytes it must copy at least once: bound = copy_bytes at this
+machine's measured memcpy rate, the case says so in "bound_kind": "copy"); with neither, bound_s and
+ratio_to_bound are null. A case of host-side work (`device="cpu"`) is timed and metered on the CPU whatever the
+op's device.
 Peak memory: extra bytes of one call beyond what existed before it, minus the gradients it returns (fwd+bwd).
   CUDA: max_memory_allocated after reset_peak_memory_stats. CPU: VmHWM - VmRSS of this process (opid-bench runs with
   MALLOC_MMAP_THRESHOLD_=65536 so freed tensor buffers go back to the OS and RSS follows live tensors).
@@ -195,6 +199,17 @@ def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 1024) -> f
     return _RATES[key]
 
 
+def copy_rate(device: torch.device, size: int = 1 << 26) -> float:
+    """Bytes/s of copying one 64 MiB buffer into another on this machine (measured once per run)."""
+    key = ("copy", device.type)
+    if key not in _RATES:
+        a = torch.ones(size, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        seconds, _, _ = time_call(lambda: b.copy_(a), device, repeats=3)
+        _RATES[key] = size / max(seconds, 1e-9)
+    return _RATES[key]
+
+
 def max_abs(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.double() - ref.double()).abs().max().item() if a.numel() else 0.0
 
@@ -225,13 +240,18 @@ class Case:
     error: Callable                # result -> {output: error vs float64}
     grad_bytes: int = 0
     extra: dict = field(default_factory=dict)
+    copy_bytes: float = 0          # no FLOPs: bytes it must copy at least once (the bound at the memcpy rate)
+    device: Optional[str] = None   # "cpu": host-side work, timed and metered on the CPU
 
 
 def run_case(case: Case, device: torch.device, repeats: int, log=print) -> dict:
-    dtype = getattr(torch, case.dtype)
-    bound = case.flops / matmul_rate(dtype, device) if case.flops else None
+    device = torch.device(case.device) if case.device else device
+    bound = case.flops / matmul_rate(getattr(torch, case.dtype), device) if case.flops else None
     out = {"name": case.name, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,
            "bound_s": bound, "methods": [], **case.extra}
+    if not case.flops and case.copy_bytes:
+        bound = out["bound_s"] = case.copy_bytes / copy_rate(device)
+        out["bound_kind"] = "copy"
     for m in case.methods:
         row = {"name": m.name, "role": m.role, "runs_as": m.runs_as}
         if m.skipped is None:
