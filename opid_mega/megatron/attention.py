@@ -31,7 +31,7 @@ as flash-attn does, so the fork layout is the same call with gathered keys; eage
 [N, N] scores and compiled flex recompiles for every new pack length unless marked dynamic. On the CPU neither
 runs: ``varlen_attn`` is CUDA-only and flex attention has no CPU backward ("FlexAttention does not support backward
 on CPU", torch 2.13, eager and compiled; building a block mask at 4 x 1024 tokens alone took 2 s), so the CPU path
-is the same :class:`VarlenLayout` through SDPA's CPU flash kernels (``tools/bench_train_attention.py`` measures it
+is the same :class:`VarlenLayout` through SDPA's CPU flash kernels (``opid-bench train_attention`` measures it
 against the dense mask and the per-sequence loop; docs/performance.md).
 """
 from __future__ import annotations

@@ -97,7 +97,7 @@ def test_bad_fork_layouts_are_refused():
 
 # ------------------------------------------------------------------------------------------------- through the model
 # the dense-mask reference is test_packed_attention's (one definition); `mp1` comes from conftest.py
-from test_packed_attention import check_bench_train_attention, dense_mask_attention  # noqa: E402,F401
+from test_packed_attention import dense_mask_attention  # noqa: E402,F401
 
 
 def _model(hf_dir):
@@ -278,21 +278,3 @@ def test_gpu_torch_varlen_attn_matches_the_reference(layout):
     _close(out, ref, rel=2e-2, what="output")
     for name, x, gr in zip("qkv", (q, k, v), ref_grads):
         _close(x.grad, gr, rel=2e-2, what=f"d{name}")
-
-
-@pytest.mark.slow
-def test_bench_train_attention_fork_tiny_preset_end_to_end():
-    """tools/bench_train_attention.py on a small fork layout: the three paths (dense mask, per-group loop, varlen)
-    each in its own process, with the contract keys."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_train_attention.py"), "--preset",
-                        "fork_tiny", "--json"], capture_output=True, text=True, timeout=300, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
-    assert out["config"]["layout"] == "fork" and out["config"]["tokens"] == 40 + 50 + 25 + 20 + 33
-    check_bench_train_attention(out, ("dense", "loop", "varlen"))  # the contract; the three paths agree
