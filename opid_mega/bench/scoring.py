@@ -42,7 +42,7 @@ from .core import Case, Method, Preset, max_abs, rel_max
 # layers (tiny: a toy)
 MODEL = {"tiny": (2, 128, True), "ci": (2, 4864, True), "7b": (4, 18944, False), "32b": (4, 27648, False)}
 # preset -> (response tokens R, step-samples per call, the prompt's pieces divided by this: CPU time budget)
-RESCORING = {"tiny": (8, 2, 16), "ci": (40, 1, 4), "7b": (160, 8, 1), "32b": (160, 8, 1)}
+RESCORING = {"tiny": (8, 2, 16), "ci": (16, 1, 4), "7b": (160, 8, 1), "32b": (160, 8, 1)}
 # Token counts of a real prompt: an ALFWorld-style game (generated locally) at step 3 of its planner walkthrough,
 # the verl-agent prompt with a history window of 5 in the Qwen3 chat template. head: the chat header and the task
 # line; middle: the history up to the closing paragraph; tail: the closing paragraph and the template's end;
@@ -52,7 +52,7 @@ PLACEMENTS = ("late", "faithful")
 # preset -> (plain pack: sequence lengths, fork layout: groups of (prefix, (branch lengths, ...))) of one micro-batch
 TRAIN_LAYOUTS = {
     "tiny": ((100, 60, 97), ((40, (30, 20)), (25, (8, 12)), (33, ()))),
-    "ci": ((600, 400, 512, 536), ((256, (320, 192)), (350, (250, 150)), (240, (180, 60)))),
+    "ci": ((300, 200, 256, 268), ((128, (160, 96)), (175, (125, 75)), (120, (90, 30)))),
     "7b": ((1100, 900, 1024, 1200, 850, 1000, 1118, 1000),
            ((512, (640, 384)), (700, (500, 300)), (400, (700, 420)), (600, (560, 380)), (480, (604, 300)))),
 }
