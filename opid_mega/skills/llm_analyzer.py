@@ -49,7 +49,8 @@ or read back from the cache, so one poisoned reply (a lone surrogate, control ch
 costs at most its own analysis, never the batch or a resumed run; a failed cache write costs only that entry.
 
 Concurrency: at most `concurrency` trajectories analysed at once per analyzer (one worker pool), whatever the number
-of concurrent `analyze`/`submit` calls. `max_in_flight` > 0 also caps the HTTP requests open at once to one endpoint
+of concurrent `analyze`/`submit` calls. `submit` jobs run side by side (the batches of several iterations in flight
+are analysed concurrently), their requests served from that pool in submission order. `max_in_flight` > 0 also caps the HTTP requests open at once to one endpoint
 (keyed by base_url) over every LLMAnalyzer of the process — a hosted endpoint's rate limit shared by the training
 and evaluation analyzers: a request waits for a slot before it is sent and holds it only while it is open (never
 through a backoff or Retry-After wait); each analyzer applies its own limit to the endpoint's shared count
@@ -380,7 +381,11 @@ class LLMAnalyzer(Analyzer):
         """Start `analyze(trajs)` in the background; `.result()` gives the analyses, `.records` the details.
         `deadline_s`: see the module docstring (counted from this call)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-analyzer-job")
+            # Jobs run side by side (the batches of the iterations in flight under train.max_staleness >= 1 are
+            # analysed concurrently, not queued behind each other); their requests share the `concurrency`
+            # workers, first come first served, so an older batch's requests go first. More jobs than workers
+            # would only wait for a worker.
+            self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="llm-analyzer-job")
         job = AnalysisJob()
         trajs = list(trajs)
         call = _Call(deadline_s)  # the deadline runs from now, not from when the job thread starts

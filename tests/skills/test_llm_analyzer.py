@@ -533,6 +533,17 @@ def test_concurrency_bound_respected():
         assert an.stats["requests"] == 15
 
 
+def test_jobs_of_several_iterations_are_analysed_side_by_side():
+    # train.max_staleness >= 1 submits the next iteration's batch while the last one is still being analysed: both
+    # batches' requests are open at once (queued one batch after the other, at most 2 would be)
+    with serve(_ok(delay=1.0)) as srv, _analyzer(srv.url, concurrency=4) as an:
+        j1 = an.submit([_traj(0), _traj(1)], iteration=1)
+        j2 = an.submit([_traj(2), _traj(3)], iteration=2)
+        r1, r2 = j1.result(timeout=60), j2.result(timeout=60)
+        assert all(isinstance(a, Analysis) for a in r1 + r2)
+        assert srv.max_in_flight == 4 and an.stats["requests"] == 4
+
+
 def test_background_job_overlaps_caller_work():
     with serve(_ok(delay=3.0)) as srv, _analyzer(srv.url) as an:
         job = an.submit([_traj(0), _traj(1)], iteration=3)
