@@ -10,7 +10,7 @@ builder      one iteration's CPU-side batch work (outcome advantages -> fork-lay
              byte-identical). Shapes: one iteration of the paper's ALFWorld and Search-QA configs (7b, 32b), 1/8 of
              it (ci: 2 of 16 ALFWorld tasks, 16 of 128 Search-QA tasks), a toy batch (tiny).
 weight_sync  the transfer of the preset model's HF weights (bf16, all of them: what replica 0's export sends after
-             the TP gather) from the trainer to an engine process on this machine, per sync.method: tensor
+             the TP gather; ci: the first 4 of its 24 layers, 119 MB, for the 2-core time budget) from the trainer to an engine process on this machine, per sync.method: tensor
              (shared-memory handles), tensor with inline bytes (pickle + base64, the cross-machine form), distributed
              (gloo broadcast), disk (safetensors). The engine process copies every tensor into its own weights, as
              SGLang's loader does; the Megatron export and SGLang's HTTP round trips are not in it (payloads cross a
@@ -194,18 +194,22 @@ def builder_cases(preset: Preset, device: torch.device, compile_peers: bool = Tr
 # ------------------------------------------------------------------------------------------------------------------
 # preset -> (layers, intermediate size, tied embeddings) of its model (Qwen2.5 configs; tiny: a toy of its shapes)
 MODEL_DEPTH = {"tiny": (2, 256, True), "ci": (24, 4864, True), "7b": (28, 18944, False), "32b": (64, 27648, False)}
+# presets that sync a part of the model (2 CPU cores, the time budget): the first N layers, no embedding
+SYNC_LAYERS = {"ci": 4}
 SYNC_DTYPE = "bfloat16"
 BUCKET_BYTES = 512 << 20  # sync.bucket_mb's default
 SAMPLE = 4096  # elements of each tensor the error check compares one by one (plus the float64 sum of all)
 
 
-def hf_shapes(preset: Preset) -> list:
-    """(HF name, shape) of every weight of the preset's model, whole (the engine gets them after the TP gather)."""
+def hf_shapes(preset: Preset, whole: bool = False) -> list:
+    """(HF name, shape) of every weight of the preset's model, whole (the engine gets them after the TP gather);
+    unless `whole`, only the first SYNC_LAYERS layers where the preset names a part."""
     layers, inter, tied = MODEL_DEPTH[preset.name]
+    part = None if whole else SYNC_LAYERS.get(preset.name)
     h, hd = preset.hidden, preset.head_dim
     q, kv = preset.heads * hd, preset.kv_heads * hd
-    out = [("model.embed_tokens.weight", (preset.vocab, h))]
-    for i in range(layers):
+    out = [] if part else [("model.embed_tokens.weight", (preset.vocab, h))]
+    for i in range(part or layers):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
                 (p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.weight", (kv, h)),
@@ -213,6 +217,8 @@ def hf_shapes(preset: Preset) -> list:
                 (p + "self_attn.v_proj.bias", (kv,)), (p + "self_attn.o_proj.weight", (h, q)),
                 (p + "post_attention_layernorm.weight", (h,)), (p + "mlp.gate_proj.weight", (inter, h)),
                 (p + "mlp.up_proj.weight", (inter, h)), (p + "mlp.down_proj.weight", (h, inter))]
+    if part:
+        return out
     out.append(("model.norm.weight", (h,)))
     if not tied:
         out.append(("lm_head.weight", (preset.vocab, h)))
@@ -367,8 +373,12 @@ def weight_sync_cases(preset: Preset, device: torch.device, compile_peers: bool 
     shapes = hf_shapes(preset)
     dtype = getattr(torch, SYNC_DTYPE)
     nbytes = sum(_numel(s) for _, s in shapes) * dtype.itemsize
+    layers = MODEL_DEPTH[preset.name][0]
+    whole = sum(_numel(s) for _, s in hf_shapes(preset, whole=True)) * dtype.itemsize
     dims = {"model": preset.model, "params": nbytes // dtype.itemsize, "bytes": nbytes, "tensors": len(shapes),
+            "layers": f"{SYNC_LAYERS.get(preset.name, layers)} of {layers}", "model_bytes": whole,
             "bucket_bytes": BUCKET_BYTES}
+    name = f"sync {SYNC_DTYPE}" + (f", {dims['layers']} layers" if preset.name in SYNC_LAYERS else "")
     methods = [("tensor", "shared-memory handles (sync.method tensor, CPU)"),
                ("tensor, inline bytes", "pickle + base64 in the request (weight_transport inline)"),
                ("distributed", "gloo broadcast (sync.method distributed, CPU)"),
@@ -382,7 +392,7 @@ def weight_sync_cases(preset: Preset, device: torch.device, compile_peers: bool 
                f"bucket in flight), {_available_bytes() / 2 ** 30:.0f} GiB available")
     if why:
         rows = [Method(name, "ours", runs_as, skipped=why) for name, runs_as in methods]
-        return [Case(f"sync {SYNC_DTYPE}", dims, SYNC_DTYPE, 0, rows, lambda res: {}, copy_bytes=nbytes, device=CPU)]
+        return [Case(name, dims, SYNC_DTYPE, 0, rows, lambda res: {}, copy_bytes=nbytes, device=CPU)]
 
     g = torch.Generator().manual_seed(0)
     weights = {n: torch.rand(s, generator=g).sub_(0.5).to(dtype) for n, s in shapes}
@@ -451,7 +461,7 @@ def weight_sync_cases(preset: Preset, device: torch.device, compile_peers: bool 
                 "bytes_missing": float(nbytes - sent)}
 
     rows = [Method(name, "ours", runs_as, lambda name=name: (name, calls[name]())) for name, runs_as in methods]
-    case = Case(f"sync {SYNC_DTYPE}", dims, SYNC_DTYPE, 0, rows, error, copy_bytes=nbytes, device=CPU,
+    case = Case(name, dims, SYNC_DTYPE, 0, rows, error, copy_bytes=nbytes, device=CPU,
                 extra={"engine": "a process on this machine: copies each tensor into its own weights"})
     weakref.finalize(case, shutil.rmtree, scratch, True)
     return [case]

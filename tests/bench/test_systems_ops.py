@@ -80,6 +80,10 @@ def test_weight_sync_tiny_every_method_delivers_the_weights():
     shapes = systems.hf_shapes(TINY)
     nbytes = 2 * sum(int(np.prod(s)) for _, s in shapes)  # bf16
     assert case.shape["bytes"] == nbytes and case.shape["tensors"] == len(shapes) == 2 + 2 * 12
+    # the presets' models: Qwen2.5-0.5B's 494,032,768 and Qwen2.5-7B's 7,615,616,512 parameters; ci syncs 4 layers
+    params = lambda p, whole=True: sum(int(np.prod(s)) for _, s in systems.hf_shapes(get_preset(p), whole))  # noqa
+    assert params("ci") == 494_032_768 and params("7b") == 7_615_616_512
+    assert params("ci", whole=False) == 4 * 14_912_384
     # before any sync the engine holds zeros: the check sees the difference (and no bytes arrived)
     before = case.error(("tensor", 0))
     assert before["weights"] > 0.1 and before["bytes_missing"] == nbytes
