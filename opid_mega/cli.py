@@ -22,21 +22,31 @@ from opid_mega.infra.runtime import apply_core_budget, quiet
 
 
 def first_run_notice(cfg) -> str:
-    """One line: what this run builds once (cached under ~/.cache/opid_mega) and roughly how long that takes here.
+    """One line: what this run builds once (cached under ~/.cache/opid_mega) and roughly how long that takes here;
+    when nothing is to be built, what was found (only what this notice checked: the model directory or the cached
+    built-in model, cached generated games, the env's data, the cached warm start). opid-train checked the model
+    directory and the env's data before it (one line each, exit 2: opid_mega.checks).
 
     Estimates are from the 2-core CI machine (tiny-qwen3 built in ~10 s, a TextWorld game in ~5 s, an opid-sft
     epoch over 16 coin-collector games in ~3 s); other machines and models differ."""
     from opid_mega.models import BUILTIN_MODELS, is_prepared
 
     parts, seconds = [], 0.0
+    found = []  # what is there already, as far as this notice checked it (named in the line when nothing is built)
     model_missing = False
-    if not cfg.model.path and cfg.model.init_from in ("", "sft"):  # the built-in model is the starting point
+    if cfg.model.init_from not in ("", "sft"):
+        found.append(f"model {cfg.model.init_from}")
+    elif cfg.model.path:
+        found.append(f"model {cfg.model.path}")
+    else:  # the built-in model is the starting point
         target = Path(os.path.expanduser(cfg.model.cache_dir)) / cfg.model.builtin
         if cfg.model.builtin in BUILTIN_MODELS and not is_prepared(target, cfg.model.builtin):
             model_missing = True
             est = 40.0 if cfg.model.builtin == "smollm2-135m" else 10.0
             parts.append(f"the {cfg.model.builtin} model (~{est:.0f} s)")
             seconds += est
+        else:
+            found.append(f"the {cfg.model.builtin} model cached")
     try:
         from opid_mega.envs import make_env
 
@@ -51,8 +61,13 @@ def first_run_notice(cfg) -> str:
             if n:
                 parts.append(f"{n} {cfg.env.name} games (~{5 * n:.0f} s)")
                 seconds += 5.0 * n
+            else:
+                found.append(f"{cfg.env.name} games cached")
+        check = getattr(env, "data_problem", None)  # opid_mega.checks: ALFWorld games, WebShop server, Search corpus
+        if check is not None and check(sorted({cfg.env.train_split, cfg.env.eval_split})) is None:
+            found.append(f"{cfg.env.name} data present")
         env.close()
-    except Exception:  # noqa: BLE001 - the notice never stops a run; the env reports its own errors later
+    except Exception:  # noqa: BLE001 - the notice never stops a run and claims nothing it could not check
         pass
     if cfg.model.init_from == "sft":
         cached = False
@@ -63,7 +78,9 @@ def first_run_notice(cfg) -> str:
                 cached = is_cached(cfg)
             except Exception:  # noqa: BLE001
                 cached = False
-        if not cached:
+        if cached:
+            found.append("the opid-sft warm start cached")
+        else:
             pool = cfg.env.options.get("pool_size", {}) if isinstance(cfg.env.options, dict) else {}
             games = pool.get(cfg.env.train_split, 16) if isinstance(pool, dict) else 16
             tiny = cfg.model.builtin.startswith("tiny") and not cfg.model.path
@@ -72,7 +89,7 @@ def first_run_notice(cfg) -> str:
                          (f", ~{est / 60:.0f} min)" if est else ", minutes to hours by model size)"))
             seconds += est or 0.0
     if not parts:
-        return "opid-train: model, games and warm start found in the cache; starting"
+        return "opid-train: nothing to build first" + (f" ({', '.join(found)})" if found else "") + "; starting"
     when = f"; roughly {max(1, round(seconds / 60))} min on 2 cores" if seconds else ""
     return ("opid-train: first run of this config: building once (cached under ~/.cache/opid_mega) "
             + ", ".join(parts) + when + "; later runs skip this")
@@ -97,6 +114,33 @@ def layout_ok(prog: str, cfg) -> bool:
     return msg is None
 
 
+def model_ok(prog: str, cfg) -> bool:
+    """The model directories the run starts from (opid_mega.checks.model_problems), on every rank (each node needs
+    them), before the layout check reads their config.json: on a problem ONE line each on stderr (a node's first
+    rank) and False."""
+    from opid_mega.checks import model_problems
+
+    problems = model_problems(cfg)
+    if problems and os.environ.get("LOCAL_RANK", "0") == "0":
+        for msg in problems:
+            print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+    return not problems
+
+
+def env_data_ok(prog: str, cfg) -> bool:
+    """The env's data (opid_mega.checks.env_problems: ALFWorld games, a WebShop server, the Search-QA corpus), on
+    global rank 0 (the rank that runs the envs), before any model is built: on a problem ONE line on stderr and
+    False. The other ranks return True (torchrun ends them when rank 0 exits)."""
+    if os.environ.get("RANK", "0") != "0":
+        return True
+    from opid_mega.checks import env_problems
+
+    problems = env_problems(cfg)
+    for msg in problems:
+        print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+    return not problems
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="opid-train", description="OPID / GRPO training (see configs/README.md)")
     p.add_argument("--config", help="YAML config (configs/<name>.yaml)")
@@ -116,7 +160,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     lock = None
     try:
         plan = rundir.plan_run(args.config, args.run_dir, args.resume, args.overwrite, args.overrides)
-        if not layout_ok("opid-train", plan.cfg):  # before anything is written (the run directory included)
+        # before anything is written (the run directory included) and before any model is built or loaded: the
+        # model directory and its tokenizer, the layout against that model, the env's data (one line each, exit 2)
+        if not model_ok("opid-train", plan.cfg) or not layout_ok("opid-train", plan.cfg):
+            return 2
+        if not env_data_ok("opid-train", plan.cfg):
             return 2
         if rank0:  # one trainer per run directory, for the run's whole life (released when the process ends)
             lock = rundir.RunLock(plan.run_dir)

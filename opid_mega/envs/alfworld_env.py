@@ -48,6 +48,14 @@ def _missing_data_error(path: str, split_dir: str) -> EnvError:
         "source='generated').")
 
 
+def _has_game(split_dir: str) -> bool:
+    """Whether some directory under `split_dir` holds a game.tw-pddl (the walk stops at the first one)."""
+    for _root, _dirs, files in os.walk(split_dir):
+        if "game.tw-pddl" in files:
+            return True
+    return False
+
+
 class AlfWorldEnv(TextWorldGameEnv):
     name = "alfworld"
     family = "action"
@@ -110,6 +118,25 @@ class AlfWorldEnv(TextWorldGameEnv):
             files = files[: int(self.pool_size)]
         self._files_cache[split] = files
         return files
+
+    def data_problem(self, splits) -> Optional[str]:
+        """The start-up check (opid_mega.checks, before any model is built): None when every split in `splits` has
+        ALFWorld games under data_path (real data) or when the games are generated; else one line naming the
+        directory and the fix. Cheap: it stops at the first game file of each split (the full scan, with the task
+        type and solvability filters, is task_pool's)."""
+        if self.source != "data":
+            return None
+        for split in splits:
+            if split not in DATA_SPLITS:
+                return (f"alfworld: unknown split {split!r} (env.train_split / env.eval_split); expected one of "
+                        f"{sorted(DATA_SPLITS)}")
+            split_dir = os.path.join(self.data_path, "json_2.1.1", DATA_SPLITS[split])
+            if not _has_game(split_dir):
+                return (f"alfworld: no ALFWorld games under {split_dir} (split {split}; the data directory is "
+                        "env.options.data_path, else $ALFWORLD_DATA, else ~/.cache/alfworld): download them with "
+                        "`alfworld-download`, point env.options.data_path at the directory holding json_2.1.1, or "
+                        "set env.options.source=generated for the offline generated games")
+        return None
 
     def task_pool(self, split: str) -> list[Task]:
         if self.source == "data":

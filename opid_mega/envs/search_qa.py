@@ -127,13 +127,27 @@ class SearchQAEnv(Env):
     def __init__(self, corpus_path: Optional[str] = None, qa_path: Optional[str] = None, topk: int = 3,
                  max_steps: Optional[int] = None, success_reward: Optional[float] = None):
         super().__init__(max_steps=max_steps, success_reward=success_reward)
-        self.corpus_path = corpus_path or os.path.join(DATA_DIR, CORPUS_FILE)
-        self.qa_path = qa_path or os.path.join(DATA_DIR, QA_FILE)
+        # empty: the small bundled country-facts set (tests, the CPU configs); the paper configs name their own files
+        self.corpus_path = os.path.expanduser(corpus_path) if corpus_path else os.path.join(DATA_DIR, CORPUS_FILE)
+        self.qa_path = os.path.expanduser(qa_path) if qa_path else os.path.join(DATA_DIR, QA_FILE)
         self.topk = int(topk)
         self._qa: Optional[list[dict]] = None
         self._retriever: Optional[BM25Retriever] = None
         self._answers: list[str] = []
         self._question = ""
+
+    def data_problem(self, splits) -> Optional[str]:
+        """The start-up check (opid_mega.checks, before any model is built): one line when the corpus or the
+        questions file (env.options.corpus_path / qa_path) is missing or empty here; None otherwise. The files are
+        not parsed here (the trainer's first env does that, with its own errors)."""
+        for key, path in (("corpus_path", self.corpus_path), ("qa_path", self.qa_path)):
+            if not os.path.isfile(path):
+                return (f"search_qa: env.options.{key}={path}: no such file on this node; put the "
+                        f"{'retrieval corpus' if key == 'corpus_path' else 'questions'} there as JSONL "
+                        "(configs/README.md \"Data\") or set env.options." + key)
+            if os.path.getsize(path) == 0:
+                return f"search_qa: env.options.{key}={path} is empty"
+        return None
 
     @property
     def retriever(self) -> BM25Retriever:

@@ -78,6 +78,23 @@ class WebShopEnv(Env):
         self._call("GET", "/")
         return True
 
+    def data_problem(self, splits) -> Optional[str]:
+        """The start-up check (opid_mega.checks, before any model is built): one line when the server does not
+        answer GET / (within min(timeout, 10 s)) or a split is unknown; None when it answers."""
+        for split in splits:
+            if split not in self.session_ranges:
+                return (f"webshop: unknown split {split!r} (env.train_split / env.eval_split); expected one of "
+                        f"{sorted(self.session_ranges)} (env.options.session_ranges)")
+        try:
+            resp = self._http.get(self.url + "/", timeout=min(self.timeout, 10.0))
+        except self._requests.exceptions.RequestException as exc:
+            return (f"webshop: no WebShop server answers at {self.url} ({type(exc).__name__}); start one (AgentGym "
+                    "agentenv-webshop: `webshop --host 0.0.0.0 --port 36001`) and set env.options.url to it")
+        if resp.status_code != 200:
+            return (f"webshop: GET {self.url}/ returned HTTP {resp.status_code}: not a WebShop server? "
+                    "(env.options.url)")
+        return None
+
     # ---- tasks --------------------------------------------------------------------------------------------------
     def task_pool(self, split: str) -> list[Task]:
         if split not in self.session_ranges:
