@@ -279,6 +279,18 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
     train_ids, groups = placed.train_gpus, placed.rollout_groups
     T = len(train_ids)
 
+    # ---------------------------------------------------------------- GPUs the layout leaves idle
+    # every node gets the same placement; the launched analyzer is on node 0 only, so its GPUs sit idle on the
+    # other nodes (the launcher keeps deploy.analyzer_gpus off training on every node)
+    idle = []
+    if gpu_cluster:
+        busy = set(train_ids) | {g for grp in groups for g in grp}
+        for n in range(nodes):
+            free = [g for g in range(G) if g not in busy and not (n == 0 and g in analyzer_ids)]
+            if free:
+                idle.append(dict(node=n, gpus=free))
+    idle_gpus = dict(count=sum(len(x["gpus"]) for x in idle), of=nodes * G, per_node=idle)
+
     # ---------------------------------------------------------------- parallel layout
     from opid_mega.megatron.layout import layout_error
 
@@ -541,6 +553,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         layout=dict(tp=tp, pp=pp, vpp=vpp, sp=p.sequence_parallel, cp=p.cp, dp=dp, world=world,
                     train_gpus_per_node=T, train_gpus=train_ids, rollout_groups=groups, rollout_tp=rtp,
                     analyzer_gpus=analyzer_ids),
+        idle_gpus=idle_gpus if gpu_cluster else None,
         params_total=N, per_gpu_gib=fullest["peak_gib"],
         memory=memory, time=time, assumptions=assumptions,
     )
@@ -619,10 +632,26 @@ def layout_line(res: dict) -> str:
             f"{srv}{an}")
 
 
+def idle_line(res: dict) -> Optional[str]:
+    """The GPUs no training rank, rollout server or analyzer uses, over every node (None: a CPU config)."""
+    idle = res.get("idle_gpus")
+    if idle is None:
+        return None
+    if not idle["count"]:
+        return f"idle GPUs: none of {idle['of']}"
+    where = "; ".join(f"node {x['node']}: GPU{'s' if len(x['gpus']) > 1 else ''} "
+                      + ", ".join(str(g) for g in x["gpus"]) for x in idle["per_node"])
+    return (f"idle GPUs: {idle['count']} of {idle['of']} ({where}): no training rank, rollout server or analyzer "
+            "is placed on them (deploy.train_gpus_per_node / deploy.rollout_gpus / deploy.analyzer_gpus)")
+
+
 def render(res: dict) -> str:
     m, t = res["memory"], res["time"]
     out = [f"model: {res['config']['model']} ({res['config']['hf_config']}), {res['params_total']:,} parameters, "
-           f"{res['config']['dtype']}", "layout: " + layout_line(res), ""]
+           f"{res['config']['dtype']}", "layout: " + layout_line(res)]
+    if idle_line(res):
+        out.append(idle_line(res))
+    out.append("")
     out.append(f"memory per GPU, GiB (of {m['gpu_mem_gib']:g}): a training rank of the largest pipeline stage, "
                "then the SGLang servers, then every GPU of node 0")
     rows = [

@@ -467,3 +467,21 @@ def test_iteration_time_with_the_analysis_and_rollout_overlapped(capsys, mode):
     assert slow["iteration_s"] == pytest.approx(slow["analysis_s"], abs=0.2)
     rc, out, _ = run_plan(capsys, "--config", C, *over, "train.max_staleness=1")
     assert f"train.max_staleness=1, {mode}" in out and "one after the other" in out
+
+
+def test_idle_gpus_are_reported(capsys):
+    """The 7B ALFWorld setup on 2 x 8 GPUs: 6 training GPUs per node (rollout servers on GPUs 0-1), the analyzer on
+    node 0's GPUs 6-7, so node 1's GPUs 6 and 7 have nothing placed on them."""
+    c = os.path.join(ROOT, "configs", "qwen2.5-7b_alfworld.yaml")
+    res = plan_json(capsys, "--config", c, "--nodes", "2")
+    assert res["idle_gpus"] == {"count": 2, "of": 16, "per_node": [{"node": 1, "gpus": [6, 7]}]}
+    rc, out, _ = run_plan(capsys, "--config", c, "--nodes", "2")
+    lines = [x for x in out.splitlines() if x.startswith("idle GPUs:")]
+    assert lines == ["idle GPUs: 2 of 16 (node 1: GPUs 6, 7): no training rank, rollout server or analyzer is placed "
+                     "on them (deploy.train_gpus_per_node / deploy.rollout_gpus / deploy.analyzer_gpus)"]
+    # one node: every GPU has a role
+    assert plan_json(capsys, "--config", c)["idle_gpus"] == {"count": 0, "of": 8, "per_node": []}
+    rc, out, _ = run_plan(capsys, "--config", c)
+    assert "idle GPUs: none of 8" in out.splitlines()
+    # a CPU config has no GPUs to leave idle
+    assert plan_json(capsys, "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"))["idle_gpus"] is None
