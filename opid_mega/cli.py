@@ -225,6 +225,7 @@ def _train_planned(plan, rank0: bool) -> int:
         from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
         from opid_mega.analysis import AnalyzerFailed
+        from opid_mega.megatron.parallel import NODE_LOST_EXIT, NodeLost
         from opid_mega.rollout.launch import RolloutEngineDied
         from opid_mega.trainer import TrainingInterrupted, train
 
@@ -236,6 +237,10 @@ def _train_planned(plan, rank0: bool) -> int:
     except (RolloutEngineDied, AnalyzerFailed) as e:
         print(f"opid-train: {e}", file=sys.stderr)
         return 3
+    except NodeLost as e:  # a rank gave no word on the control group within its bound: one line naming its node
+        if e.report:  # one rank of the job says it; the others leave quietly (torchrun ends the rest)
+            print(f"opid-train: {e}", file=sys.stderr, flush=True)
+        shutdown.exit_now(NODE_LOST_EXIT)  # the launched servers are stopped; no wait on a dead peer's socket
     except CheckpointError as e:  # e.g. too little disk space: one line, the previous checkpoint intact
         if rank0:
             print(f"opid-train: {e}", file=sys.stderr, flush=True)

@@ -414,8 +414,11 @@ class DeployConfig:
     # launched server and the router also get a per-run random API key, sent by every client, logged nowhere.
     bind_host: str = "auto"
     # Ranks waiting for global rank 0 (rollout, analysis, evaluation) wait on a gloo control group with this timeout;
-    # the training process groups keep train_timeout_s
-    control_timeout_s: float = 86400.0
+    # the training process groups keep train_timeout_s. It is the bound on a node lost during a rollout or an
+    # analysis (docs/multi-node.md "Bound on a lost node"): past it the job ends with one line naming the node
+    # (exit 5). null: derived, control_timeout(cfg) = rollout.deadline_s (x 2 when the evaluation replays with
+    # skills) + analyzer.deadline_s (when anything is analysed) + CONTROL_MARGIN_S (600 s)
+    control_timeout_s: Optional[float] = None
     train_timeout_s: float = 300.0
     # colocated on GPU: move the optimizer state to host memory during rollout and release SGLang's memory in training
     offload_optimizer: bool = True
@@ -583,7 +586,8 @@ _CHECKS: dict[str, tuple] = {
     "deploy.rollout_mem_fraction": _PROB,
     "deploy.analyzer_gpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of GPU ids (integers >= 0)"),
     "deploy.analyzer_mem_fraction": _PROB,
-    "deploy.control_timeout_s": _SECONDS,
+    "deploy.control_timeout_s": (lambda v: v is None or 0 < v <= MAX_SECONDS,
+                                 f"null (derived from the deadlines) or a number of seconds in (0, {MAX_SECONDS:g}]"),
     "deploy.trainer_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.server_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.train_timeout_s": _SECONDS,
@@ -902,6 +906,22 @@ def resolve_api_key(analyzer: AnalyzerConfig, environ: Optional[dict] = None) ->
     env = os.environ if environ is None else environ
     value = env.get(analyzer.api_key_env, "") if analyzer.api_key_env else ""
     return value.strip() or "EMPTY"
+
+
+CONTROL_MARGIN_S = 600.0  # on top of the deadlines: an SGLang server's start (600 s) and the waits' own slack
+
+
+def control_timeout(cfg: Config) -> float:
+    """The control group's timeout (deploy.control_timeout_s; null: derived) — the longest a rank waits for global
+    rank 0, so the bound on a node lost during a rollout or an analysis. Derived: the longest stretch rank 0 works
+    alone is a rollout (rollout.deadline_s), two when the evaluation replays its tasks with skills, then an analysis
+    (analyzer.deadline_s, when anything is analysed), plus CONTROL_MARGIN_S."""
+    if cfg.deploy.control_timeout_s is not None:
+        return float(cfg.deploy.control_timeout_s)
+    replay = cfg.eval.with_skills or cfg.algo.mode == "skill_grpo"
+    analysed = cfg.algo.needs_analysis or replay
+    return ((2 if replay else 1) * cfg.rollout.deadline_s + (cfg.analyzer.deadline_s if analysed else 0.0)
+            + CONTROL_MARGIN_S)
 
 
 def redacted(cfg: Config) -> dict:

@@ -36,6 +36,90 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 _CONTROL = None  # the gloo control group (see control_group)
+_CONTROL_TIMEOUT_S = 86400.0  # its timeout (deploy.control_timeout_s, opid_mega.config.control_timeout)
+_PEERS: list = []  # (host, node) of every global rank, gathered once on the control group
+ROLL_CALL_S = 120.0  # how long rank 0 waits for every rank to answer after a broadcast (capped by the timeout)
+NODE_LOST_EXIT = 5  # opid-train's exit code when a node is lost
+
+
+class NodeLost(RuntimeError):
+    """A rank of the job gave no answer on the control group within its bound (a node down, cut off or stopped), or
+    global rank 0 ended without a word. `str(e)` is one line naming the node, its host and the rank(s); `report`:
+    whether this rank prints it (one rank per job says it; the others leave quietly)."""
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.report = report
+
+
+def _peer(rank: int) -> str:
+    if 0 <= rank < len(_PEERS):
+        host, node = _PEERS[rank]
+        return f"node {node} (host {host}, global rank {rank})"
+    return f"global rank {rank}"
+
+
+def _lost_line(ranks: list, seconds: float, what: str) -> str:
+    if not ranks:
+        who = "a rank of the job"
+    else:
+        nodes: dict = {}
+        for r in ranks:
+            host, node = _PEERS[r] if 0 <= r < len(_PEERS) else ("?", "?")
+            nodes.setdefault((node, host), []).append(r)
+        who = "; ".join(f"node {n} (host {h}, global rank{'s' if len(rs) > 1 else ''} "
+                        f"{', '.join(str(r) for r in rs)})" for (n, h), rs in nodes.items())
+    return (f"lost {who}: {what} within {seconds:g} s on the control group (the node is down, cut off or stopped; "
+            "bound: deploy.control_timeout_s, docs/multi-node.md); the job ends, exit 5; resume with --resume auto")
+
+
+def _reporter_for(lost: int) -> bool:
+    """Whether this rank is the one that reports `lost` (rank 0) gone: the lowest rank on another host than it
+    (the lowest other rank on a one-host job)."""
+    me = dist.get_rank()
+    host = _PEERS[lost][0] if 0 <= lost < len(_PEERS) else None
+    others = [r for r in range(dist.get_world_size()) if r != lost and (not _PEERS or _PEERS[r][0] != host)]
+    if not others:
+        others = [r for r in range(dist.get_world_size()) if r != lost]
+    return bool(others) and me == others[0]
+
+
+def _control_error(exc: BaseException, waited: float) -> NodeLost:
+    """A failed wait on the control group of a rank other than 0, which waits there for rank 0 only: a wait that
+    lasted the control timeout is rank 0's node lost; a shorter one (the connection closed) is rank 0 gone without a
+    word (its own output says why)."""
+    if waited >= 0.9 * _CONTROL_TIMEOUT_S:
+        return NodeLost(_lost_line([0], _CONTROL_TIMEOUT_S, "no word from it"), report=_reporter_for(0))
+    text = " ".join(str(exc).split())[:200]
+    return NodeLost(f"global rank 0 ({_peer(0)}) left the control group ({text}); the job ends, see its output",
+                    report=_reporter_for(0))
+
+
+def _roll_call() -> None:
+    """Every rank meets global rank 0 on the control group (gloo's monitored barrier). The other ranks wait there for
+    rank 0 (its rollout, analysis, evaluation) up to the control timeout; rank 0, when its work is done, waits at most
+    min(ROLL_CALL_S, the control timeout) for every rank's answer (they are waiting already) and names the ranks that
+    give none: a node stopped or cut off meanwhile is one line (NodeLost), not a send that never completes or a
+    training collective's timeout later. (gloo sends an unbound buffer only when the receiver asks for it: a stopped
+    or cut-off rank never answers, whenever it arrived.)"""
+    import time
+
+    if dist.get_rank() == 0:
+        wait = min(ROLL_CALL_S, _CONTROL_TIMEOUT_S)
+        try:
+            dist.monitored_barrier(group=_CONTROL, timeout=datetime.timedelta(seconds=wait), wait_all_ranks=True)
+        except RuntimeError as exc:
+            import re
+
+            m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+            ranks = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
+            raise NodeLost(_lost_line(ranks, wait, "no answer when rank 0's work was done")) from None
+        return
+    t0 = time.monotonic()
+    try:
+        dist.monitored_barrier(group=_CONTROL, timeout=datetime.timedelta(seconds=_CONTROL_TIMEOUT_S))
+    except RuntimeError as exc:
+        raise _control_error(exc, time.monotonic() - t0) from None
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: float = 300,
@@ -44,7 +128,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`). ``timeout_s`` bounds every collective of the
     training groups (a hung rank fails the run after it); ``control_timeout_s`` bounds the waits on the control
     group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation."""
-    global _CONTROL
+    global _CONTROL, _CONTROL_TIMEOUT_S, _PEERS
     backend = resolve_backend(backend)
     cpu_compat.apply()
     if not dist.is_initialized():
@@ -74,6 +158,10 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     # every rank creates every group in the same order: the control group first, before megatron's
     _CONTROL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)) \
         if world > 1 else None
+    _CONTROL_TIMEOUT_S = float(control_timeout_s)
+    # every rank's host and node (torchrun's GROUP_RANK), to name a lost node in one line (NodeLost)
+    _PEERS = []
+    _PEERS = all_gather_control((socket.gethostname(), int(os.environ.get("GROUP_RANK", "0"))))
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if vpp is not None and vpp > 1 and pp < 2:
@@ -103,13 +191,23 @@ def broadcast(produce):
     analysis far longer than the training groups' timeout. Single process: just the call."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return produce()
+    import time
+
     box = [None]
     if dist.get_rank() == 0:
         try:
             box = [("ok", produce())]
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank
             box = [("error", exc)]
-    dist.broadcast_object_list(box, src=0, group=control_group())
+    _roll_call()  # the others wait here for rank 0; a node lost meanwhile is named
+    t0 = time.monotonic()
+    try:  # every rank is here now: the data follows at once
+        dist.broadcast_object_list(box, src=0, group=control_group())
+    except RuntimeError as exc:
+        if dist.get_rank() != 0:
+            raise _control_error(exc, time.monotonic() - t0) from None
+        raise NodeLost(_lost_line([], _CONTROL_TIMEOUT_S, f"rank 0's broadcast not taken "
+                                                          f"({' '.join(str(exc).split())[:200]})")) from None
     status, value = box[0]
     if status == "error":
         raise value
@@ -120,7 +218,7 @@ def wait_for_rank0() -> None:
     """Every rank waits here, on the control group, until global rank 0 has finished work only it does (launching
     servers, evaluation): the next training collective then starts together on every rank."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=control_group())
+        _roll_call()
 
 
 def all_gather_control(obj) -> list:
@@ -128,13 +226,19 @@ def all_gather_control(obj) -> list:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=control_group())
+    try:
+        dist.all_gather_object(out, obj, group=control_group())
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise NodeLost(_lost_line([], _CONTROL_TIMEOUT_S, "a rank did not join a gather"),
+                           report=dist.get_rank() == 0) from None
+        raise
     return out
 
 
 def destroy() -> None:
-    global _CONTROL
-    _CONTROL = None
+    global _CONTROL, _PEERS
+    _CONTROL, _PEERS = None, []
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from opid_mega.config import Config
+from opid_mega.config import Config, control_timeout
 
 
 class Policy:
@@ -35,7 +35,7 @@ class Policy:
                      world=torch.distributed.get_world_size() if torch.distributed.is_initialized()
                      else int(os.environ.get("WORLD_SIZE", "1")))
         parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend,
-                            timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=cfg.deploy.control_timeout_s,
+                            timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=control_timeout(cfg),
                             gpu_ids=_train_gpus(cfg))
         if cfg.train.save_interval:  # the checkpoint writer's queue, made while the model builds (see the function)
             from opid_mega.megatron.checkpoint import prepare_writer

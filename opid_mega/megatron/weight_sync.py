@@ -527,7 +527,9 @@ class WeightSync:
 
         from torch.distributed import PrefixStore
 
-        timeout = datetime.timedelta(seconds=min(600.0, float(self.cfg.deploy.control_timeout_s)))
+        from opid_mega.config import control_timeout
+
+        timeout = datetime.timedelta(seconds=min(600.0, control_timeout(self.cfg)))
         # Rank 0 hosts the group's store itself: init_custom_process_group's tcp:// rendezvous would not, under
         # torchrun (TORCHELASTIC_USE_AGENT_STORE makes every rank a client of a store nobody serves: both sides
         # then wait until the timeout). On `host` alone (open_store), and only until the group's first update.

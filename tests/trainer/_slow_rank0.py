@@ -1,5 +1,6 @@
 """opid-train with global rank 0's rollout and evaluation delayed by OPID_TEST_DELAY_S seconds (fault injection for
-test_control_channel: rank 0 slower than the training groups' timeout)."""
+test_control_channel: rank 0 slower than the training groups' timeout; test_node_lost: a rank stopped while rank 0
+plays, OPID_TEST_MARK naming a file rank 0 appends a line to when a rollout starts)."""
 import os
 import sys
 import time
@@ -10,6 +11,10 @@ _play = trainer.play
 
 
 def slow_play(*args, **kwargs):
+    mark = os.environ.get("OPID_TEST_MARK")  # the test learns that rank 0's rollout has started
+    if mark:
+        with open(mark, "a") as f:
+            f.write(f"{time.time()}\n")
     time.sleep(float(os.environ["OPID_TEST_DELAY_S"]))
     return _play(*args, **kwargs)
 

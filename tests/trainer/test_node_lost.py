@@ -1,0 +1,138 @@
+"""A node lost during a rollout ends the job within deploy.control_timeout_s with one line naming it (exit 5), not a
+training-group timeout or a day-long wait; and the control group's default timeout is derived from the deadlines.
+
+Two gloo ranks under torchrun on this machine's loopback (the namespace cluster would need two SGLang servers and
+several minutes per launch): the lost "node" is a rank SIGSTOPped while global rank 0 plays its rollout (delayed
+10 s by tests/trainer/_slow_rank0.py). A stopped process is what a frozen or cut-off node looks like to its peers:
+its sockets stay open and nothing comes from it."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from .conftest import CONFIG, TINY
+
+HERE = os.path.dirname(__file__)
+BOUND = 15  # deploy.control_timeout_s of these runs
+DELAY = 10  # rank 0's rollout delay (OPID_TEST_DELAY_S)
+
+
+def test_control_timeout_is_derived_from_the_deadlines(tiny_cfg):
+    from opid_mega.config import CONTROL_MARGIN_S, control_timeout
+
+    assert CONTROL_MARGIN_S == 600
+    cfg = tiny_cfg("algo.mode=opid", "rollout.deadline_s=300", "analyzer.deadline_s=200")
+    assert cfg.deploy.control_timeout_s is None and control_timeout(cfg) == 300 + 200 + 600
+    # nothing analysed: the rollout alone
+    assert control_timeout(tiny_cfg("algo.mode=grpo", "rollout.deadline_s=300")) == 300 + 600
+    # the evaluation replays its tasks with skills: two rollouts and an analysis
+    cfg = tiny_cfg("algo.mode=opid", "eval.with_skills=true", "rollout.deadline_s=300", "analyzer.deadline_s=200")
+    assert control_timeout(cfg) == 2 * 300 + 200 + 600
+    # the defaults: a few hours, not a day
+    assert control_timeout(tiny_cfg("algo.mode=opid")) == 7200 + 3600 + 600
+    # the explicit override wins
+    assert control_timeout(tiny_cfg("deploy.control_timeout_s=45")) == 45
+
+
+def _launch(tmp_path, tag):
+    mark, log = tmp_path / "rollout_started", open(tmp_path / "stderr.txt", "w")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "OPID_TEST_DELAY_S": str(DELAY),
+           "OPID_TEST_MARK": str(mark), "OPID_TEST_TAG": tag}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.join(HERE, "_slow_rank0.py"),
+           "--config", CONFIG, "--run-dir", str(tmp_path / "run")] + TINY + [f"deploy.control_timeout_s={BOUND}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    return proc, mark, tmp_path / "stderr.txt"
+
+
+def _rank_pid(tag: str, rank: int) -> int:
+    """The pid of the trainer rank `rank` of the launch tagged `tag` (its environment holds both; the processes it
+    started, env workers included, inherit that environment: the rank is the one whose parent is none of them)."""
+    found = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"OPID_TEST_TAG") == tag.encode() and env.get(b"RANK") == str(rank).encode() \
+                and b"TORCHELASTIC_RUN_ID" in env:
+            found[int(d)] = ppid
+    ranks = [pid for pid, ppid in found.items() if ppid not in found]
+    assert len(ranks) == 1, (rank, found)
+    return ranks[0]
+
+
+def _wait_for(cond, proc, seconds, what):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None and not cond():
+            raise AssertionError(f"{what}: the job ended first (exit {proc.returncode})")
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {seconds} s")
+
+
+def _lines(path, prefix="opid-train: lost "):
+    return [x for x in path.read_text(errors="replace").splitlines() if x.startswith(prefix)]
+
+
+def _end(proc, pid):
+    """The stopped rank killed (torchrun would, after its grace period), then the job's exit code."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
+def test_a_rank_stopped_during_the_rollout_ends_the_job_with_one_line(tmp_path, stopped):
+    tag = uuid.uuid4().hex
+    proc, mark, err = _launch(tmp_path, tag)
+    pid = None
+    try:
+        _wait_for(lambda: mark.exists(), proc, 300, "rank 0's first rollout")
+        pid = _rank_pid(tag, stopped)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # rank 1 stopped: rank 0 ends its rollout (<= DELAY s) and finds rank 1 silent in the roll call before its
+        # broadcast (min(120 s, the bound)); rank 0 stopped: rank 1 waits the bound from the start of the rollout
+        lines = _wait_for(lambda: _lines(err), proc, DELAY + BOUND + 30, "the lost-node line")
+        took = time.monotonic() - stopped_at
+    finally:
+        code = _end(proc, pid) if pid else (proc.kill() or proc.wait())
+    text = err.read_text(errors="replace")
+    host = socket.gethostname()
+    assert len(lines) == 1, text[-3000:]
+    if stopped == 1:  # rank 0 names the rank that did not answer
+        assert lines[0].startswith(f"opid-train: lost node 0 (host {host}, global rank 1): no answer when rank 0's "
+                                   f"work was done within {BOUND} s on the control group"), lines
+    else:  # the lowest other rank names rank 0
+        assert lines[0].startswith(f"opid-train: lost node 0 (host {host}, global rank 0): no word from it within "
+                                   f"{BOUND} s on the control group"), lines
+    assert "the job ends, exit 5" in lines[0]
+    assert took <= DELAY + BOUND + 20, took  # + the rollout itself and process start-up slack on 2 cores
+    # the reporting rank left with exit 5 (torchrun's summary), the job failed; no gloo timeout surfaced
+    assert code != 0 and re.search(r"exitcode\s*:\s*5 ", text), text[-3000:]
+    # (torch's own C++ log may add "Rank 1 failed to pass monitoredBarrier" lines; torchrun its ChildFailedError)
+    assert "Timed out waiting" not in text and "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, \
+        text[-3000:]
+    print(f"stopped rank {stopped}: one line after {took:.1f} s (bound {BOUND} s, rank 0's rollout {DELAY} s): "
+          f"{lines[0]}")
