@@ -16,6 +16,22 @@ import torch
 from opid_mega.config import Config, control_timeout
 
 
+def minibatch_plan(num_samples: int, mini_batch_size: int, epochs: int, shuffle: bool, seed: int) -> list:
+    """The step-sample indices of each mini-batch :meth:`Policy.train` takes, in order (one optimizer step each):
+    consecutive step-samples of the data's order, or after a shuffle seeded by ``seed`` before each epoch. A function
+    of the data's size, the config and the seed only, never of the data-parallel layout: the batch builder then splits
+    each mini-batch over the DP ranks, so a run resumed on another world size (``--resume D deploy.nodes=N``) trains
+    on the same global sample order, split over its new ranks."""
+    order = list(range(num_samples))
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(epochs):
+        if shuffle:
+            rng.shuffle(order)
+        plan.extend(order[start:start + mini_batch_size] for start in range(0, len(order), mini_batch_size))
+    return plan
+
+
 class Policy:
     """Megatron model chunks + DDP + optimizer + frozen reference copy, built from an HF directory."""
 
@@ -137,27 +153,20 @@ class Policy:
 
         from opid_mega.megatron.train_step import loss_micro_batches, train_mini_batch
 
-        order = list(range(data.num_samples))
-        rng = random.Random(seed)
+        t = self.cfg.train
         sums: dict = {}
         first_kl = None
         n = 0
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        for _ in range(self.cfg.train.ppo_epochs):
-            if self.cfg.train.shuffle_minibatches:
-                rng.shuffle(order)
-            mb = self.cfg.train.mini_batch_size
-            for start in range(0, len(order), mb):
-                micro = self.cfg.train.micro_batch_size if self.cfg.algo.loss_agg == "token-mean-micro" else 0
-                batches = loss_micro_batches(data.subset(order[start:start + mb]),
-                                             self.cfg.train.micro_batch_tokens, dp, rank, micro)
-                m = train_mini_batch(self.ddp, self.optimizer, [], self.cfg.train.micro_batch_tokens, self.loss_cfg,
-                                     batches=batches)
-                if first_kl is None:
-                    first_kl = m.get("approx_kl", float("nan"))
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n += 1
+        micro = t.micro_batch_size if self.cfg.algo.loss_agg == "token-mean-micro" else 0
+        for idx in minibatch_plan(data.num_samples, t.mini_batch_size, t.ppo_epochs, t.shuffle_minibatches, seed):
+            batches = loss_micro_batches(data.subset(idx), t.micro_batch_tokens, dp, rank, micro)
+            m = train_mini_batch(self.ddp, self.optimizer, [], t.micro_batch_tokens, self.loss_cfg, batches=batches)
+            if first_kl is None:
+                first_kl = m.get("approx_kl", float("nan"))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+            n += 1
         out = {k: v / max(n, 1) for k, v in sums.items()}
         out["approx_kl_first"] = first_kl
         out["mini_batches"] = n
