@@ -28,9 +28,10 @@ def test_logprob_tiny_schema_errors_and_peers():
     assert result["op"] == "logprob" and result["model"]["vocab"] == 512
     assert set(result) >= {"machine", "versions", "load", "wall_s", "cases"}
     assert [c["name"] for c in result["cases"]] == ["fwd float32", "fwd+bwd float32", "fwd bfloat16",
-                                                    "fwd+bwd bfloat16"]
+                                                    "fwd+bwd bfloat16", "fwd+bwd float32 +entropy"]
     for case in result["cases"]:
-        assert case["bound_s"] > 0 and case["shape"] == {"N": 32, "H": 64, "V": 512}
+        entropy = {"entropy": True} if case["name"].endswith("+entropy") else {}
+        assert case["bound_s"] > 0 and case["shape"] == {"N": 32, "H": 64, "V": 512, **entropy}
         names = {m["name"] for m in case["methods"]}
         assert names == {"fused_logprobs", "naive full logits", "torch.compile(naive)", "Liger fused linear CE"}
         for m in case["methods"]:
@@ -45,6 +46,11 @@ def test_logprob_tiny_schema_errors_and_peers():
         assert m["error"].get("grad_hidden_rel", 0) < 1e-2 and m["error"].get("grad_weight_rel", 0) < 1e-2
     naive = _ran(result, "naive full logits", "eager")
     assert naive[0]["error"]["logprob"] < 1e-5 and naive[2]["error"]["logprob"] > 1e-4
+    # the entropy case: entropies (up to log 512 = 6.2) at float32 error, ours and the naive path; Liger has none
+    ent = {(m["name"], m["runs_as"]): m for m in result["cases"][-1]["methods"]}
+    for key in (("fused_logprobs", "torch path (chunked)"), ("naive full logits", "eager")):
+        assert ent[key]["error"]["entropy"] < 1e-5 and ent[key]["error"]["grad_hidden_rel"] < 1e-2, key
+    assert "no entropy" in ent[("Liger fused linear CE", "Triton interpreter")]["skipped"]
 
 
 def test_divergence_tiny_errors():
@@ -52,6 +58,14 @@ def test_divergence_tiny_errors():
     for m in _ran(result, "dual_context_divergence", "torch path (chunked)"):
         assert max(m["error"][k] for k in ("kl_skill_orig", "kl_orig_skill", "logp_orig")) < 1e-5
         assert m["error"]["grad_hidden_rel"] < 1e-2
+    # the top-k case (algo.delta=topk_kl): the same top-32 ids as the float64 reference, log-probs at float32 error
+    [topk] = [c for c in result["cases"] if c["shape"].get("topk")]
+    assert topk["name"].endswith("top-32") and topk["shape"]["topk"] == 32
+    rows = {(m["name"], m["runs_as"]): m for m in topk["methods"]}
+    for key in (("dual_context_divergence", "torch path (chunked)"), ("naive two full log-softmaxes", "eager")):
+        err = rows[key]["error"]
+        assert err["topk_ids_differ"] == 0 and max(err["topk_logp_skill"], err["topk_logp_orig"]) < 1e-5, key
+    assert "no top-k" in rows[("Liger fused linear JSD (beta 0)", "Triton interpreter")]["skipped"]
 
 
 def test_attended_pairs_counts_the_fork_mask():
@@ -112,3 +126,18 @@ def test_cli_list_and_bad_input():
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("70b")
     assert PRESETS["7b"].hidden == 3584 and PRESETS["7b"].tp == 1
+
+
+@pytest.mark.parametrize("script,op", [("bench_logprob.py", "logprob"), ("bench_divergence.py", "divergence")])
+def test_the_old_script_names_run_opid_bench(tmp_path, script, op):
+    out = tmp_path / f"{op}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", script), "--preset", "tiny", "--no-compile",
+                           "--device", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["op"] == op and res["preset"] == "tiny"
+    ours = [m for c in res["cases"] for m in c["methods"] if m["role"] == "ours" and "skipped" not in m]
+    assert ours and all(m["seconds"] > 0 and max(m["error"].values()) < 1e-2 for m in ours)
+

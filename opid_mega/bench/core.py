@@ -190,8 +190,11 @@ def time_call(call: Callable, device: torch.device, repeats: int, grad_bytes: in
 _RATES: dict = {}
 
 
-def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 1024) -> float:
-    """FLOP/s of one [size, size] x [size, size] matmul at `dtype` on this machine (measured once per run)."""
+def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 0) -> float:
+    """FLOP/s of one [size, size] x [size, size] matmul at `dtype` on this machine (measured once per run). Default
+    size: 8192 on a GPU (a 1024^3 matmul is a few microseconds there, launch-bound, far below the GPU's rate, which
+    would make every bound look easy), 1024 on CPU (where it already runs at the cores' rate)."""
+    size = size or (8192 if device.type == "cuda" else 1024)
     key = (dtype, device.type)
     if key not in _RATES:
         a = torch.randn(size, size, device=device).to(dtype)

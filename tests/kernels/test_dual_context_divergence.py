@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opid_mega.kernels import divergence_reference, dual_context_divergence, fused_logprobs
-from tolerance import assert_close_scaled, tolerance_for
+from tolerance import assert_close_scaled
 
 ON_GPU = torch.cuda.is_available()
 DIFF_KEYS = ("logp_orig", "kl_skill_orig", "kl_orig_skill")
@@ -248,40 +248,6 @@ def test_vocab_parallel_tp2_equals_tp1_and_reference():
             # all-reduced: the full gradient
             assert_close_scaled(gh, ho64.grad, rel=TOL_GRAD, floor=1.0, msg=f"{backend} rank {r} d h_orig")
             assert_close_scaled(gwt, w64.grad[lo:hi], rel=TOL_GRAD, floor=1.0, msg=f"{backend} rank {r} d weight")
-
-
-def test_bench_tool_writes_the_contract_keys(tmp_path):
-    import json
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_divergence.py"), "--preset", "tiny",
-                           "--json", str(out), "--device", "cpu"], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(out.read_text())
-    assert set(res["peak_bytes"]) == {"naive", "fused"} and set(res["seconds"]) == {"naive", "fused"}
-    assert res["peak_bytes"]["naive"] > 0 and len(res["cases"]) == 2
-
-    def within(diffs, scale, what):  # each max abs diff within the tolerances above, scaled to its magnitude
-        for k, d in diffs.items():
-            if not isinstance(d, bool):
-                grad = k.startswith("grad_")
-                tol = tolerance_for(0.0, rel=TOL_GRAD if grad else TOL_VAL, scale=scale[k], floor=1.0 if grad else 0.0)
-                assert d <= tol, f"{what} {k}: max abs diff {d:.3e} > {tol:.3e} (scale {scale[k]:.3e})"
-
-    for case in res["cases"]:
-        assert {"logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill"} <= set(case["max_abs_diff_vs_naive"])
-        within(case["max_abs_diff_vs_naive"], case["scale"], f"fused vs naive, {case['pass']}")
-    assert res["cases"][0]["max_abs_diff_vs_naive"]["topk_ids_equal"]
-    assert {"grad_h_orig", "grad_weight"} <= set(res["cases"][1]["max_abs_diff_vs_naive"])  # the fwd+bwd case
-    tp2 = res["tp2_vs_tp1"]  # vocabulary parallel over 2 gloo processes == one process
-    assert tp2["max_abs_diff"]["topk_ids_equal"] and {"kl_orig_skill", "grad_h_orig", "grad_weight"} <= set(
-        tp2["max_abs_diff"])
-    within(tp2["max_abs_diff"], tp2["scale"], "TP2 vs TP1")
 
 
 COMPILE_SCRIPT = r"""
