@@ -30,3 +30,12 @@ def test_bench_async_rows_on_a_tiny_budget(tmp_path):
     # on-policy, every iteration waits for its replies (at least one reply's latency); the table says so
     assert res["opid"][0]["analysis_wait_s"] > 0.2
     assert "| 0.5 s (0.5 s) | 1 | disaggregated |" in r.stdout
+
+
+def test_baseline_of_another_config_is_refused(tmp_path):
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"config": os.path.join(ROOT, "configs", "smollm2_textworld_quick.yaml"),
+                                "grpo": {"iteration_s": 1.0, "iterations_s": [1.0], "rollout_s": 0.5}}))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_async.py"), "--baseline", str(prev),
+                        "--latencies", "1", "--staleness", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"--baseline {prev} holds no GRPO run of" in r.stderr and "tiny_cpu.yaml" in r.stderr
