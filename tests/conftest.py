@@ -1,5 +1,6 @@
 """Suite-wide set-up.
 
+- Triton's CPU interpreter is on from the start when there is no CUDA (see below).
 - tests/tolerance.py is importable (`from tolerance import assert_close_scaled`) whatever pytest's import mode
   (--import-mode=importlib does not put test directories on sys.path).
 - Strict environment under CI: with the CI variable set (any value but "", "0", "false"), a skipped test fails the
@@ -14,6 +15,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Triton chooses interpreter or compiled code when it is first imported (its standard library's @jit functions) and
+# when each kernel is decorated. Without CUDA the interpreter must be on before ANY test module imports triton at
+# collection (megatron-core does, and opid-bench's tests import megatron-core), or the interpreted kernels of
+# tests/kernels fail with "Cannot call @triton.jit'd outside of the scope of a kernel". With CUDA the variable is
+# left alone (tools/gpu_check.sh runs the same tests compiled).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

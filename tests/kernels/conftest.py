@@ -1,17 +1,10 @@
-"""Kernel tests: Triton runs under the CPU interpreter here.
-
-Set TRITON_INTERPRET=1 at conftest import (before any test imports a Triton kernel module: the `*_triton.py` files
-are only imported lazily by the kernels, and triton.jit decides interpreter vs compiled at decoration time).
-On a machine with CUDA the variable is left alone so the same tests run the compiled kernels on the GPU
+"""Kernel tests: Triton runs under the CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA,
+before any test module is imported). On a machine with CUDA the same tests run the compiled kernels on the GPU
 (tools/gpu_check.sh). Spawned multi-rank tests inherit the variable.
 """
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ON_GPU = torch.cuda.is_available()
 
