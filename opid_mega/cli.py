@@ -323,7 +323,7 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
     from opid_mega.models import load_tokenizer
-    from opid_mega.experience import mean
+    from opid_mega.experience import mean, outcome_info_means
     from opid_mega.rollout.launch import build_agent_loop, build_engine, env_factory, play
 
     engine = build_engine(cfg, hf_dir)
@@ -335,7 +335,8 @@ def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
                  seed=cfg.train.seed * 100_003 + 77_777).trajectories
     loop.close()
     result = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs),
-              "eval/invalid_rate": mean(not s.valid for t in trajs for s in t.steps), "episodes": len(trajs),
+              "eval/invalid_rate": mean(not s.valid for t in trajs for s in t.steps),
+              **outcome_info_means(trajs, "eval"), "episodes": len(trajs),
               "failed_episodes": sum(t.failed for t in trajs)}
     print(json.dumps(result))
     engine.shutdown()

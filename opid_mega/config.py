@@ -353,6 +353,11 @@ class SftConfig:
     # section naming option X (the analyzer's decision_sections(X, options): every skill format, faithful or late
     # placement at random), X. The env and the analyzer (a plug-in's) must provide those two methods.
     blind_decision: bool = False
+    # With blind_decision: this many extra no-section samples per decision whose target is the expert's choice (the
+    # option the task's own cue names), so the warm start leans toward the cue without being sure of it: on its
+    # training data the cue's option is the target with probability (1 + k) / (n + k) for n options (footprints,
+    # k = 1: 1/3 instead of 1/5). 0: blind to the cue (and no change to the warm start's cache key).
+    decision_cue_copies: int = 0
 
 
 @dataclass
@@ -573,6 +578,7 @@ _CHECKS: dict[str, tuple] = {
     "sft.lr": _NON_NEG,
     "sft.mini_batch_size": _POSITIVE_INT,
     "sft.skill_share": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "sft.decision_cue_copies": (lambda v: v >= 0, "an integer >= 0"),
     "eval.interval": (lambda v: v >= 0, "an integer >= 0"),
     "eval.num_tasks": (lambda v: v >= 0, "an integer >= 0"),
     "eval.temperature": _POSITIVE,
@@ -738,6 +744,9 @@ def validate(cfg: Config, plugins: bool = True) -> Config:
         pass  # skill_grpo scores only the rollout context; the scorer choice is irrelevant but allowed
     if "{action}" not in cfg.sft.think:
         raise ConfigError(f"sft.think: got {cfg.sft.think!r}, allowed: a string containing {{action}}")
+    if cfg.sft.decision_cue_copies and not cfg.sft.blind_decision:
+        raise ConfigError(f"sft.decision_cue_copies: got {cfg.sft.decision_cue_copies!r} with sft.blind_decision="
+                          "false, allowed: 0 unless sft.blind_decision is true (the copies lean its decision samples)")
     if (cfg.train.lr_scheduler == "warmup") != (cfg.train.lr_warmup_ratio > 0):
         raise ConfigError(f"train.lr_warmup_ratio: got {cfg.train.lr_warmup_ratio!r} with train.lr_scheduler="
                           f"{cfg.train.lr_scheduler}, allowed: a number in (0, 1] with lr_scheduler=warmup, 0 with "

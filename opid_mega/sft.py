@@ -120,7 +120,9 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
     sft.blind_decision: a step whose `decisions` list options (the env's one critical decision) gives, instead of
     the expert's samples, one sample per option X without a section (target X: the warm start's choice there is
     uniform, blind to any cue) and one per option X with a section naming X (the section analyzer's
-    decision_sections(X, options, rng), one of its formats at random, placement at random; target X)."""
+    decision_sections(X, options, rng), one of its formats at random, placement at random; target X).
+    sft.decision_cue_copies k: then also k more no-section samples with the expert's choice as target (the option
+    the task's cue names), so without a section the cue's option is the target (1 + k) / (n + k) of the time."""
     import random
 
     from opid_mega.envs import format_response
@@ -149,6 +151,8 @@ def walkthrough_samples(cfg: Config, tokenizer, think: Optional[str] = None, spl
                     section = rng.choice(analyzer.decision_sections(choice, options, rng))
                     out.append((prompts.encode(inject_skills(prompt, section, rng.choice(sorted(PLACEMENTS))))[0],
                                 resp))
+                expert = prompts.encode_text(response) + [end]
+                out.extend((prompts.encode(prompt)[0], expert) for _ in range(cfg.sft.decision_cue_copies))
                 continue
             resp = prompts.encode_text(response) + [end]
             out.append((prompts.encode(prompt)[0], resp))
@@ -202,6 +206,8 @@ def sft_key(cfg: Config, base_dir: str, opts: dict) -> str:
         opts.pop("skill_share", None)
     if not opts.get("blind_decision"):
         opts.pop("blind_decision", None)
+    if not opts.get("decision_cue_copies"):
+        opts.pop("decision_cue_copies", None)
     if (opts.get("skill_share") or opts.get("blind_decision")) and is_import_path(cfg.analyzer.backend):
         # a plug-in analyzer writes the sections: its name, options and source
         opts["section_analyzer"] = [cfg.analyzer.backend, cfg.analyzer.options,
