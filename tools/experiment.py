@@ -235,7 +235,8 @@ def markdown_table(agg: dict[str, dict], baseline: str = BASELINE) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(curves: dict[str, list], path: Path, title: str = "Held-out success (no skills)") -> Path:
+def plot_curves(curves: dict[str, list], path: Path, title: str = "Held-out success (no skills)",
+                ylabel: str = "held-out success rate") -> Path:
     """One line per arm (mean over seeds) with its min–max band; matplotlib Agg."""
     import matplotlib
 
@@ -251,7 +252,7 @@ def plot_curves(curves: dict[str, list], path: Path, title: str = "Held-out succ
         line, = ax.plot(x, [p[1] for p in pts], marker="o", label=f"{arm} (n={len(seed_curves)})")
         ax.fill_between(x, [p[3] for p in pts], [p[4] for p in pts], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("held-out success rate")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title + ": mean over seeds, band = min–max")
     ax.grid(alpha=0.3)

@@ -467,6 +467,13 @@ def cmd_gate(out: Path, env: dict) -> dict:
     return g
 
 
+def gate_run_dir(out: Path, gate: dict, attempt: str, seed: int) -> Path:
+    """Where an attempt's gate run lies once the gate decided (cmd_gate moves a passing retry's runs into place)."""
+    if attempt == "first":
+        return run_dir_of(out, "grpo", seed, "_gate_first" if gate.get("passed_on") == "retry" else "")
+    return run_dir_of(out, "grpo", seed, "" if gate.get("passed_on") == "retry" else "_gate_retry")
+
+
 def cmd_run(out: Path, env: dict, arms: Optional[list], seeds: Optional[list]) -> None:
     prereg = load_prereg()
     gate_file = out / "gate.json"
@@ -555,13 +562,24 @@ def cmd_report(out: Path) -> dict:
             missing.append([seed, arm])
             continue
         arms.setdefault(arm, {})[str(seed)] = run_values(out, arm, seed, None if arm == "grpo" else lam, decode)
+    gate_runs = {}  # the gate's runs of each attempt (the first attempt's, when the retry passed, are archived)
+    if gate is not None:
+        for attempt in gate["attempts"]:
+            for seed in GATE["seeds"]:
+                rd = gate_run_dir(out, gate, attempt, seed)
+                if (rd / "experiment_run.json").exists():
+                    door, success = door_curve(out, rd, seed), door_curve(out, rd, seed, "eval/success_rate")
+                    gate_runs.setdefault(attempt, {})[str(seed)] = {
+                        "run_dir": str(rd.relative_to(out)), "door_curve": door, "success_curve": success,
+                        "wall_s": json.loads((rd / "experiment_run.json").read_text())["wall_s"]}
     tests = {"primary_opid_vs_grpo": paired(arms, "opid", "grpo"),
              "negative_control_opid_shuffled_vs_grpo": paired(arms, "opid_shuffled", "grpo"),
              "hindsight_opid_vs_opid_shuffled": paired(arms, "opid", "opid_shuffled"),
              "episode_only_vs_grpo": paired(arms, "opid_episode_only", "grpo")}
     descriptive = {"success_auc_opid_vs_grpo": paired(arms, "opid", "grpo", "success_auc"),
                    "door_final_opid_vs_grpo": paired(arms, "opid", "grpo", "door_final")}
-    results = {"prereg": str(PREREG.relative_to(ROOT)), "lambda": lam, "gate": gate, "arms": arms, "tests": tests,
+    results = {"prereg": str(PREREG.relative_to(ROOT)), "lambda": lam, "gate": gate, "gate_runs": gate_runs,
+               "arms": arms, "tests": tests,
                "descriptive": descriptive, "missing_runs": missing, "utc": utc()}
     write_json(RESULTS, results)
     lines = []
@@ -578,15 +596,28 @@ def cmd_report(out: Path) -> dict:
     gate_line = "not run" if gate is None else (
         f"{'passed' if gate['passed'] else 'FAILED'}" + (f" on the {gate['passed_on']} attempt" if gate["passed"]
                                                          else "")
-        + "; " + "; ".join(f"{a}: mean door-accuracy gain {v['mean_gain']:+.3f} (seeds {v['gains']})"
+        + "; " + "; ".join(f"{a} attempt: mean door-accuracy gain {v['mean_gain']:+.3f} ("
+                           + ", ".join(f"seed {s} {g:+.3f}" for s, g in v["gains"].items()) + ")"
                            for a, v in gate["attempts"].items()))
+    gate_table = ["| attempt | seed | door accuracy at 0 / 320 / 640 / 960 rollouts | success at 0 / 320 / 640 / 960 |",
+                  "|---|---|---|---|"]
+    for attempt, by_seed in gate_runs.items():
+        for seed, v in by_seed.items():
+            gate_table.append(f"| {attempt} ({', '.join(gate['attempts'][attempt]['overrides']) or 'config lr'}) | "
+                              f"{seed} | " + " / ".join(f"{y:.3f}" for _, y in v["door_curve"]) + " | "
+                              + " / ".join(f"{y:.3f}" for _, y in v["success_curve"]) + " |")
+    stopped = gate is not None and not gate["passed"]
     RESULTS_MD.write_text(
         "# Mechanism experiment v3: results (written by `python tools/mechanism_v3.py report`)\n\n"
         f"λ = {lam} (rule, at calibration). GRPO gate (margin +{GATE['margin']} held-out door accuracy): {gate_line}."
-        "\n\nMean ± sample sd over seeds.\n\n" + table(arms)
-        + "\nPre-registered tests (one-sided, α 0.05, door-accuracy AUC over 0-960 rollouts):\n\n"
-        + "\n".join(lines[:4]) + "\n\nDescriptive (not pre-registered):\n\n" + "\n".join(lines[4:]) + "\n"
-        + (f"\nMissing runs (seed, arm): {missing}\n" if missing else ""))
+        "\n\nThe gate's runs (held-out, 256 games, no skills, temperature 0.4):\n\n" + "\n".join(gate_table) + "\n"
+        + ("\nBy the registered rule the experiment stops here: GRPO does not raise held-out door accuracy by the "
+           "margin at this budget, so no OPID arm ran and no test is computed.\n" if stopped else
+           "\nMean ± sample sd over seeds.\n\n" + table(arms))
+        + ("" if stopped else
+           "\nPre-registered tests (one-sided, α 0.05, door-accuracy AUC over 0-960 rollouts):\n\n"
+           + "\n".join(lines[:4]) + "\n\nDescriptive (not pre-registered):\n\n" + "\n".join(lines[4:]) + "\n"
+           + (f"\nMissing runs (seed, arm): {missing}\n" if missing else "")))
     for pattern in ARCHIVED:
         for f in sorted(out.glob(pattern)):
             dest = RECORDS / f.relative_to(out)
@@ -595,8 +626,11 @@ def cmd_report(out: Path) -> dict:
     per_iter = load_cfg().rollout.tasks_per_iter * load_cfg().rollout.group_size
     curves = {arm: [[(x / per_iter, y) for x, y in v["door_curve"]] for v in by_seed.values()]
               for arm, by_seed in arms.items()}
+    if stopped:
+        curves = {f"grpo gate, {attempt}": [[(x / per_iter, y) for x, y in v["door_curve"]] for v in by_seed.values()]
+                  for attempt, by_seed in gate_runs.items()}
     if curves:
-        ex.plot_curves(curves, FIGURE, title="Footprints held-out door accuracy (no skills)")
+        ex.plot_curves(curves, FIGURE, title="Footprints", ylabel="held-out door accuracy (no skills)")
     print(RESULTS_MD.read_text())
     return results
 
