@@ -39,7 +39,14 @@ def model_problems(cfg) -> list[str]:
     model.path when given (the opid-sft warm start is built from it). A built-in model (empty model.path) is built
     on first use and not checked."""
     m, out = cfg.model, []
-    if m.init_from and m.init_from != "sft":
+    if m.init_from.startswith("shipped:"):
+        from opid_mega.warm_starts import shipped_model
+
+        try:
+            out.append(model_dir_problem(shipped_model(m.init_from[len("shipped:"):]), "model.init_from"))
+        except FileNotFoundError as e:
+            out.append(f"model.init_from={e}")
+    elif m.init_from and m.init_from != "sft":
         out.append(model_dir_problem(m.init_from, "model.init_from"))
     elif m.path:
         out.append(model_dir_problem(m.path, "model.path"))

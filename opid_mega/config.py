@@ -57,7 +57,8 @@ class ModelConfig:
     cache_dir: str = "~/.cache/opid_mega/models"
     # Start from this HF directory instead of `path`; `sft`: the opid-sft warm start of this config (the `sft`
     # section, on expert walkthroughs of env.train_split), built on first use and cached under
-    # `<cache_dir>/sft-<hash of its inputs>`.
+    # `<cache_dir>/sft-<hash of its inputs>`; `shipped:NAME`: a warm start shipped with the package
+    # (opid_mega/data/warm_starts/NAME; `shipped:footprints`: the footprints main job's).
     init_from: str = ""
     # Chat template switch for Qwen3-style templates (the paper runs Qwen3 with thinking off). Used identically by the
     # rollout prompts, evaluation and the opid-sft warm-start data (part of its cache key).

@@ -310,7 +310,11 @@ def prepare_model(name: str, cache_dir: Optional[Union[str, Path]] = None, force
 
 
 def resolve_model_path(path: str = "", builtin: str = "tiny-qwen3", cache_dir: Optional[str] = None) -> str:
-    """The model directory a config names: `path` when given (must exist), else the prepared built-in model."""
+    """The model directory a config names: `path` when given (must exist; `shipped:NAME`: a warm start shipped with
+    the package), else the prepared built-in model."""
+    from opid_mega.warm_starts import model_dir
+
+    path = model_dir(path)
     if path:
         p = Path(os.path.expanduser(path))
         if not (p / "config.json").is_file():

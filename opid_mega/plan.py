@@ -102,6 +102,10 @@ def builtin_hf_config(name: str) -> tuple[dict, str]:
 def model_source(cfg: Config) -> tuple[dict, str]:
     m = cfg.model
     src = m.init_from if m.init_from not in ("", "sft") else m.path  # the sft warm start keeps the base architecture
+    if src.startswith("shipped:"):
+        from opid_mega.warm_starts import model_dir
+
+        src = model_dir(src)
     if src:
         return resolve_hf_config(src, "model.init_from" if src == m.init_from else "model.path")
     return builtin_hf_config(m.builtin)

@@ -132,3 +132,36 @@ def test_paper_search_config_without_its_corpus_stops(tmp_path, capsys, builds, 
                        f"model.path={m}", "parallel.backend=gloo")
     _refused(rc, lines, builds, run, f"opid-train: search_qa: env.options.corpus_path={tmp_path}/data/search_r1/"
                                      "wiki-18.jsonl: no such file on this node")
+
+
+def test_shipped_warm_start_resolves_and_an_unknown_one_is_one_line(tmp_path, capsys, builds):
+    """model.init_from=shipped:NAME names a warm start shipped with the package (weights, config, tokenizer); an
+    unknown NAME stops the start with one line naming the shipped ones."""
+    from opid_mega.models import resolve_model_path
+    from opid_mega.warm_starts import shipped_model
+
+    d = resolve_model_path("shipped:footprints")
+    assert d == shipped_model("footprints")
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(d, f)), f
+    with pytest.raises(FileNotFoundError, match="shipped:footprints"):
+        shipped_model("nope")
+    with pytest.raises(FileNotFoundError, match="no warm start of that name"):
+        shipped_model("../footprints")
+    run = tmp_path / "run"
+    rc, lines = _start(capsys, TINY, run, "model.init_from=shipped:nope")
+    _refused(rc, lines, builds, run, "opid-train: model.init_from=shipped:nope: no warm start of that name is "
+                                     "shipped (shipped: shipped:footprints)")
+
+
+def test_shipped_footprints_warm_start_is_the_mechanism_experiments():
+    """The main job starts from the committed warm start of the mechanism experiment v3 (same weight bytes)."""
+    import sys
+
+    from opid_mega.warm_starts import shipped_model
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import mechanism
+
+    prereg = json.load(open(os.path.join(ROOT, "docs", "mechanism_v3", "prereg.json")))
+    assert mechanism.weights_hash(shipped_model("footprints")) == prereg["warm_start"]["weights_sha256_16"]

@@ -105,6 +105,10 @@ def config_model_facts(cfg) -> Optional[dict]:
     tiny models). None when the architecture cannot be known before it is built (an unbuilt smollm2-135m)."""
     m = cfg.model
     src = m.init_from if m.init_from not in ("", "sft") else m.path  # the sft warm start keeps the base architecture
+    if src.startswith("shipped:"):
+        from opid_mega.warm_starts import model_dir
+
+        src = model_dir(src)
     if src:
         return model_facts(src)
     cached = os.path.join(os.path.expanduser(m.cache_dir), m.builtin)
