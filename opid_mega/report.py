@@ -13,6 +13,8 @@ Figures (file: metrics):
   analysis.png        analysis/critical_steps_per_traj, analysis/failure_rate
   rollout.png         rollout/logprob_mismatch, perf/tokens_per_s
   time.png            time/<stage>: seconds per iteration, stacked per stage (time/total etc. as a line)
+  env_metrics.png     the env's own outcome metrics (its `info_metrics`, e.g. footprints' first_door_correct):
+                      eval/<key> (held-out, no skills) and train/<key>, one panel per key
 """
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ FIGURES: list[tuple[str, str, list[tuple[str, list[tuple[str, str, str]], bool]]
         ("tokens / s", [("perf/tokens_per_s", "throughput", "-")], False),
     ]),
 ]
+
+
+# eval/ metrics every run has; any other eval/<key> is one of the env's info_metrics (env_metrics.png).
+COMMON_EVAL_KEYS = ("eval/success_rate", "eval/success_rate_with_skills", "eval/episode_length", "eval/invalid_rate")
+
+
+def env_metric_panels(data: list) -> list:
+    """The panels of env_metrics.png: one per env info metric found as eval/<key> in any run."""
+    keys = sorted({k[len("eval/"):] for recs in data for r in recs for k in r
+                   if k.startswith("eval/") and k not in COMMON_EVAL_KEYS})
+    return [(key.replace("_", " "), [(f"eval/{key}", "eval (no skills)", "-"), (f"train/{key}", "train", ":")],
+             False) for key in keys]
 
 
 # Whole-iteration times: drawn as a line over the stacked stages, not stacked themselves.
@@ -144,9 +158,10 @@ def make_plots(runs: Sequence[str | os.PathLike], out_dir: Optional[str | os.Pat
         plt.close(fig)
         written.append(path)
 
-    for stem, title, panels in FIGURES:
-        # Eval success is never smoothed: it is measured every `eval.interval` steps and should read as measured.
-        sm = 0.0 if stem == "success_rate" else smooth
+    figures = FIGURES + ([("env_metrics", "Env metrics", env_metric_panels(data))] if env_metric_panels(data) else [])
+    for stem, title, panels in figures:
+        # Eval curves are never smoothed: they are measured every `eval.interval` steps and should read as measured.
+        sm = 0.0 if stem in ("success_rate", "env_metrics") else smooth
         present = [p for p in panels if any(series(recs, key)[0] for recs in data for key, _, _ in p[1])]
         if not present:
             continue

@@ -103,3 +103,28 @@ def test_report_errors(tmp_path, capsys):
     (empty / METRICS_FILE).write_text(json.dumps({"step": 1, "ppo/kl": 1.0}) + "\n")
     assert main([str(empty), "--smooth", "1.5"]) == 2
     assert "--smooth" in capsys.readouterr().err
+
+
+def test_report_env_info_metrics(tmp_path):
+    """An env's info metrics (eval/<key> beyond the common ones, with train/<key>) get env_metrics.png, one panel per
+    key; a run without them gets none."""
+    from opid_mega.report import env_metric_panels, load_run
+
+    run = tmp_path / "fp"
+    run.mkdir()
+    with open(run / METRICS_FILE, "w") as f:
+        for s in range(0, 21):
+            rec = {"step": s, "train/first_door_correct": 0.2 + 0.01 * s}
+            if s % 10 == 0:
+                rec.update({"eval/success_rate": 0.2 + 0.01 * s, "eval/first_door_correct": 0.25 + 0.015 * s,
+                            "eval/episode_length": 3.7})
+            f.write(json.dumps(rec) + "\n")
+    panels = env_metric_panels([load_run(run)])
+    assert panels == [("first door correct", [("eval/first_door_correct", "eval (no skills)", "-"),
+                                              ("train/first_door_correct", "train", ":")], False)]
+    paths = make_plots([run])
+    assert {p.name for p in paths} == {"success_rate.png", "env_metrics.png", "episode_length.png"}
+    _check_pngs(paths)
+    plain = tmp_path / "plain"
+    _write_run(plain, 3)
+    assert "env_metrics.png" not in {p.name for p in make_plots([plain])}
