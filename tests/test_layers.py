@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # low -> high; a node imports only nodes of lower layers
 LAYERS = [
+    ["opid_mega.warm_starts"],
     ["opid_mega", "opid_mega.infra", "opid_mega.models", "opid_mega.placement", "opid_mega.kernels",
      "opid_mega.plugins"],
     ["opid_mega.algo"],
