@@ -89,14 +89,17 @@ def test_outcome_info_means_counts_missing_as_false():
     assert outcome_info_means([], "eval") == {}
 
 
-def test_blind_decision_samples_of_the_warm_start():
-    """At the hall: each of the five doors once without a section, and once with a section naming it; elsewhere the
-    expert's action (with and without its section)."""
+@pytest.mark.parametrize("cue_copies", [0, 2])
+def test_blind_decision_samples_of_the_warm_start(cue_copies):
+    """At the hall: each of the five doors once without a section (plus the expert's, i.e. the cue's, door
+    sft.decision_cue_copies more times), and once with a section naming it; elsewhere the expert's action (with and
+    without its section)."""
     from opid_mega.config import load_config
     from opid_mega.envs.footprints_env import CUE_RE
     from opid_mega.sft import expert_episodes, walkthrough_samples
 
-    cfg = load_config(str(mechanism.ROOT / mechanism.CONFIG), ["env.options.pool_size.train=2"])
+    cfg = load_config(str(mechanism.ROOT / mechanism.CONFIG), ["env.options.pool_size.train=2",
+                                                                f"sft.decision_cue_copies={cue_copies}"])
 
     class Tok:  # text in, text out: the samples' prompts and targets stay readable
         def encode(self, text, add_special_tokens=False):
@@ -137,14 +140,17 @@ def test_blind_decision_samples_of_the_warm_start():
         plain = [r for p, r in at_hall if p == prompt]
         with_section = [(p, r) for p, r in at_hall if p != prompt]
         doors = sorted(ep["decisions"][hall])
-        assert sorted(r.split("<action>")[1].split("</action>")[0] for r in plain) == doors
+        right = ep["actions"][hall]
+        assert CUE_RE.search(prompt).group(1) == right.split()[1]  # the cue names the expert's door
+        targets = sorted(r.split("<action>")[1].split("</action>")[0] for r in plain)
+        assert targets == sorted(doors + [right] * cue_copies)
         assert len(with_section) == 5
         for p, r in with_section:
             colour = r.split("<action>")[1].split()[1]
             assert f"Open the {colour} door" in p or f"lead to the {colour} door; the" in p
             assert len(CUE_RE.findall(p)) == 1  # the cue is in the observation, never changed
-        # the expert's door is one of the five targets (twice: plain and with a section), not an extra sample
-        assert sum(ep["actions"][hall] in r for _, r in at_hall) == 2
+        # the expert's door is one of the five targets (twice: plain and with a section), plus its cue copies
+        assert sum(right in r for _, r in at_hall) == 2 + cue_copies
 
 
 def test_paired_tests_hand_worked():

@@ -104,37 +104,11 @@ def test_run_refuses_before_the_gate_and_after_it_failed(tmp_path):
         v3.cmd_run(tmp_path, {}, ["opid_rule"], None)
 
 
-def test_decision_cue_copies_lean_the_warm_start_toward_the_cue(monkeypatch):
-    """At the hall without a section: each door once plus the expert's (the cue's) door k more times; with a section:
-    each door once; elsewhere unchanged."""
-    import opid_mega.rollout.agent_loop as al
-    import opid_mega.sft as sft
+def test_decision_cue_copies_needs_blind_decision():
+    """The cue copies lean the blind decision samples (tests/test_mechanism.py checks the samples); without
+    sft.blind_decision they are refused with one line."""
     from opid_mega.config import ConfigError, load_config
-    from opid_mega.envs.footprints_env import CUE_RE
 
-    class PT:
-        def __init__(self, tok, enable_thinking=True):
-            pass
-
-        def encode(self, prompt):
-            return [prompt], None
-
-        def encode_text(self, text):
-            return [text]
-
-    monkeypatch.setattr(al, "PromptTokenizer", PT)
-    monkeypatch.setattr(sft, "end_of_turn_id", lambda tok: "<END>")
-    for k in (0, 1, 3):
-        cfg = load_config(str(ROOT / v3.CONFIG), ["env.options.pool_size.train=2", f"sft.decision_cue_copies={k}"])
-        samples = sft.walkthrough_samples(cfg, None)
-        for ep in sft.expert_episodes(cfg):
-            hall = next(i for i, d in enumerate(ep["decisions"]) if d)
-            prompt, right = ep["prompts"][hall], ep["actions"][hall]
-            at_hall = [(p[0], r[0]) for p, r in samples if ep["view"].steps[hall].raw_obs in p[0]
-                       and "<action>open " in r[0]]
-            plain = [r.split("<action>")[1].split("</action>")[0] for p, r in at_hall if p == prompt]
-            assert sorted(plain) == sorted(list(ep["decisions"][hall]) + [right] * k)
-            assert CUE_RE.search(prompt).group(1) == right.split()[1]  # the cue names the expert's door
-            assert len([p for p, _ in at_hall if p != prompt]) == 5
+    assert load_config(str(ROOT / v3.CONFIG)).sft.decision_cue_copies == 1
     with pytest.raises(ConfigError, match="sft.decision_cue_copies"):
         load_config(str(ROOT / v3.CONFIG), ["sft.blind_decision=false"])

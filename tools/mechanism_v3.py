@@ -645,17 +645,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = ex.child_env(None)
+    commands = {"design": cmd_design, "calibrate": lambda: cmd_calibrate(out, env), "gate": lambda: cmd_gate(out, env),
+                "report": lambda: cmd_report(out),
+                "run": lambda: cmd_run(out, env, ex.parse_list(args.arms), ex.parse_list(args.seeds, int))}
     try:
-        if args.command == "design":
-            cmd_design()
-        elif args.command == "calibrate":
-            cmd_calibrate(out, env)
-        elif args.command == "gate":
-            cmd_gate(out, env)
-        elif args.command == "report":
-            cmd_report(out)
-        else:
-            cmd_run(out, env, ex.parse_list(args.arms), ex.parse_list(args.seeds, int))
+        commands[args.command]()
     except ex.ExperimentError as e:
         print(f"mechanism_v3: {e}", file=sys.stderr)
         return 1
