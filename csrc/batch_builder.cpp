@@ -1086,7 +1086,8 @@ void add_scaled(double* acc, const D* delta, int64_t n, const Transform& tf) {
 }
 
 py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o, py::list deltas_o, py::list masks_o,
-                                    py::list lambdas_o, bool normalize, py::object clip_o, double eps) {
+                                    py::list lambdas_o, bool normalize, py::object clip_o, double eps,
+                                    py::object groups_o, py::object share_cap_o) {
     Kind ok;
     py::buffer_info oi = request("outcome_adv", outcome_o, {Kind::F32, Kind::F64}, &ok);
     const int64_t S = oi.shape[0];
@@ -1113,6 +1114,24 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
     }
     if (!(eps > 0) || std::isinf(eps)) {
         throw py::value_error("eps=" + std::to_string(eps) + " must be finite and > 0");
+    }
+    // share_cap (algo.skill_share_cap): each group's skill mass at most cap x its outcome mass
+    const bool has_cap = !share_cap_o.is_none();
+    double cap = 0.0;
+    std::vector<int64_t> group_of;
+    if (has_cap) {
+        try {
+            cap = py::cast<double>(share_cap_o);
+        } catch (py::cast_error&) {
+            throw py::type_error("share_cap must be a number or None");
+        }
+        if (!(cap >= 0) || std::isinf(cap)) {
+            throw py::value_error("share_cap=" + std::string(py::str(share_cap_o)) +
+                                  " must be finite and >= 0, or None");
+        }
+        if (groups_o.is_none()) throw py::value_error("share_cap needs groups (the GRPO group of each sample)");
+        py::buffer_info gi = request("groups", groups_o, {Kind::I64}, nullptr, S);
+        group_of.assign(static_cast<const int64_t*>(gi.ptr), static_cast<const int64_t*>(gi.ptr) + S);
     }
     int64_t total = 0;
     for (int64_t s = 0; s < S; ++s) total += rl[s];
@@ -1193,6 +1212,8 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
             std::vector<int64_t> start(S + 1, 0);
             for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + rl[s];
             std::atomic<bool> bad{false};
+            // with the share cap the skill term is accumulated alone (from 0) into `skill`, then scaled per group
+            std::vector<double> skill(has_cap ? static_cast<size_t>(total) : 0);
             parallel_for(S, pick_threads(total), [&](int64_t lo, int64_t hi) {
                 constexpr int64_t kBlock = 512;
                 double acc[kBlock];
@@ -1200,7 +1221,7 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                 for (int64_t s = lo; s < hi; ++s) {
                     for (int64_t b0 = start[s]; b0 < start[s + 1]; b0 += kBlock) {
                         const int64_t n = std::min(kBlock, start[s + 1] - b0);
-                        for (int64_t j = 0; j < n; ++j) acc[j] = ob[s];
+                        for (int64_t j = 0; j < n; ++j) acc[j] = has_cap ? 0.0 : ob[s];
                         for (size_t k = 0; k < K; ++k) {
                             const bool valid = static_cast<const uint8_t*>(minfo[k].ptr)[s] != 0;
                             if (!normalize && valid) ok &= finite_at(k, b0, n);
@@ -1213,12 +1234,36 @@ py::array_t<float> token_advantages(py::object outcome_o, py::object resp_lens_o
                                 add_scaled(acc, static_cast<const double*>(dinfo[k].ptr) + b0, n, tf);
                             }
                         }
-                        for (int64_t j = 0; j < n; ++j) o[b0 + j] = static_cast<float>(acc[j]);
+                        if (has_cap) {
+                            std::copy(acc, acc + n, skill.begin() + b0);
+                        } else {
+                            for (int64_t j = 0; j < n; ++j) o[b0 + j] = static_cast<float>(acc[j]);
+                        }
                     }
                 }
                 if (!ok) bad = true;
             });
             if (bad) error = first_non_finite();
+            if (has_cap && error.empty()) {
+                // per group: O = sum |A_out| and K = sum |skill| over its tokens (exact sums), f = min(1, cap O / K)
+                std::unordered_map<int64_t, std::pair<ExactSum, ExactSum>> mass;
+                for (int64_t s = 0; s < S; ++s) {
+                    auto& m = mass[group_of[s]];
+                    for (int64_t t = start[s]; t < start[s + 1]; ++t) {
+                        m.first.add(std::fabs(ob[s]));
+                        m.second.add(std::fabs(skill[t]));
+                    }
+                }
+                std::unordered_map<int64_t, double> scale;
+                for (auto& kv : mass) {
+                    const double o_mass = kv.second.first.result(), k_mass = kv.second.second.result();
+                    scale[kv.first] = k_mass > cap * o_mass ? cap * o_mass / k_mass : 1.0;
+                }
+                for (int64_t s = 0; s < S; ++s) {
+                    const double f = scale[group_of[s]];
+                    for (int64_t t = start[s]; t < start[s + 1]; ++t) o[t] = static_cast<float>(ob[s] + skill[t] * f);
+                }
+            }
         }
     }
     if (!error.empty()) throw py::value_error(error);
@@ -1244,5 +1289,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("mode") = "mean_std_norm", py::arg("eps") = 1e-6, "GRPO outcome advantage (float64).");
     m.def("token_advantages", &token_advantages, py::arg("outcome_adv"), py::arg("resp_lens"), py::arg("deltas"),
           py::arg("masks"), py::arg("lambdas"), py::arg("normalize") = false, py::arg("clip") = py::none(),
-          py::arg("eps") = 1e-6, "Per response token A = A_out + sum_k lambda_k * Delta'_k (float32).");
+          py::arg("eps") = 1e-6, py::arg("groups") = py::none(), py::arg("share_cap") = py::none(),
+          "Per response token A = A_out + sum_k lambda_k * Delta'_k (float32); share_cap: per group, the skill "
+          "term at most share_cap x the outcome term.");
 }

@@ -6,6 +6,8 @@
 Each problem is ONE line naming the config key, what is missing and the fix; opid-train prints each on stderr and
 exits 2 (docs/runs.md "Start-up checks"). Nothing here imports torch or builds anything: the checks take seconds at
 most (a WebShop server gets one GET / with a short timeout).
+
+    warning = collapse_warning(cfg)     # global rank 0: one line when the config sits in the collapse regime
 """
 from __future__ import annotations
 
@@ -84,3 +86,17 @@ def env_problems(cfg) -> list[str]:
         except Exception:  # noqa: BLE001
             pass
     return [" ".join(msg.split())] if msg else []
+
+
+def collapse_warning(cfg) -> Optional[str]:
+    """One line when the config lets an optimizer step train on the skill term alone: an OPID mode with λ > 0 and
+    algo.skill_share_cap null (the reference's behaviour). A group whose scores all tie has A_out = 0, so its
+    step-samples' advantages are λΔ alone; Adam takes a full-size step on them whatever λ is, and on CPU such steps
+    drove runs from rising held-out success to 0 (docs/algorithm.md "Stability"). None otherwise."""
+    a = cfg.algo
+    lam = max(a.lambda_episode if a.use_episode else 0.0, a.lambda_step if a.use_step else 0.0)
+    if a.mode in ("grpo", "skill_grpo") or lam <= 0 or a.skill_share_cap is not None:
+        return None
+    return (f"warning: algo.skill_share_cap=null with λ={lam:g}: a group whose scores all tie trains on λΔ alone, "
+            "which collapsed OPID runs (docs/algorithm.md \"Stability\"); algo.skill_share_cap=1.0 bounds the skill "
+            "term by the outcome term in every group")

@@ -222,6 +222,11 @@ def _train_planned(plan, rank0: bool) -> int:
     try:
         if os.environ.get("RANK", "0") == "0":
             print(first_run_notice(cfg), flush=True)
+            from opid_mega.checks import collapse_warning
+
+            warning = collapse_warning(cfg)
+            if warning:
+                print(f"opid-train: {warning}", file=sys.stderr, flush=True)
         from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
         from opid_mega.analysis import AnalyzerFailed

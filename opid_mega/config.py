@@ -248,6 +248,10 @@ class AlgoConfig:
     # negative control: every trajectory of task i gets the analysis of a trajectory of another task of the same batch
     # (the batch's tasks in a seeded random cycle), so the skills are fluent but carry no hindsight about this episode.
     skill_source: Literal["own", "shuffled"] = "own"
+    # The skill term's bound (docs/algorithm.md "Stability"): in every GRPO group, Σ|λΔ| over its tokens is scaled
+    # down to at most skill_share_cap x Σ|A_out|, so a group whose scores all tie (A_out = 0) trains on no skill term
+    # and no optimizer step is driven by λΔ alone. null: no bound (the reference; the paper configs).
+    skill_share_cap: Optional[float] = None
     # The advantage and policy-loss functions, as import paths "package.module:function" (docs/custom_algo.md):
     # advantage_fn(exp, algo_cfg) fills exp.a_out and exp.token_advantages of the iteration's record; loss_fn is
     # called like opid_mega.algo.ppo_policy_loss by the Megatron loss on every rank. The defaults are the built-ins.
@@ -549,6 +553,7 @@ _CHECKS: dict[str, tuple] = {
     "algo.lambda_step": _NON_NEG,
     "algo.invalid_penalty": _NON_NEG,
     "algo.delta_clip": (lambda v: v is None or v > 0, "null or a number > 0"),
+    "algo.skill_share_cap": (lambda v: v is None or v >= 0, "null or a number >= 0"),
     "algo.distill_coef": _NON_NEG,
     "algo.delta_topk": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "algo.clip_low": _NON_NEG,

@@ -347,7 +347,8 @@ def with_skill_term(exp: Experience, a, a_out: np.ndarray, backend: Optional[str
             deltas.append(d)
             lambdas.append(lam[kind])
     return batching.token_advantages(a_out, exp.resp_lens, deltas, masks, lambdas, normalize=a.delta_normalize,
-                                     clip=a.delta_clip, backend=backend)
+                                     clip=a.delta_clip, groups=np.asarray(exp.groups, np.int64),
+                                     share_cap=a.skill_share_cap, backend=backend)
 
 
 def off_policy(exp: Experience, correction: str, cap: float) -> None:

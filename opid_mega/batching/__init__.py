@@ -285,8 +285,9 @@ def outcome_advantage(scores, group_ids, mode: str = "mean_std_norm", eps: float
 
 def token_advantages(outcome_adv, resp_lens, deltas: Sequence, masks: Sequence, lambdas: Sequence[float],
                      normalize: bool = False, clip: Optional[float] = None, *, eps: float = 1e-6,
-                     backend: Optional[str] = None) -> np.ndarray:
-    """float32 [sum resp_lens]: A_out + Σ λ_k Δ'_k per response token (normalize: (Δ − μ)/(σ + eps)); see
-    reference.token_advantages."""
+                     groups=None, share_cap: Optional[float] = None, backend: Optional[str] = None) -> np.ndarray:
+    """float32 [sum resp_lens]: A_out + Σ λ_k Δ'_k per response token (normalize: (Δ − μ)/(σ + eps); share_cap with
+    groups: each group's skill term at most share_cap x its outcome term); see reference.token_advantages."""
     return _impl(backend).token_advantages(_np(outcome_adv), _np(resp_lens), [_np(d) for d in deltas],
-                                           [_np(m) for m in masks], list(lambdas), normalize, clip, eps)
+                                           [_np(m) for m in masks], list(lambdas), normalize, clip, eps,
+                                           None if groups is None else _np(groups), share_cap)

@@ -176,13 +176,19 @@ def outcome_advantage(scores, group_ids, mode: str = "mean_std_norm", eps: float
 
 def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks: Sequence[np.ndarray],
                      lambdas: Sequence[float], normalize: bool = False, clip: Optional[float] = None,
-                     eps: float = DELTA_NORM_EPS) -> np.ndarray:
+                     eps: float = DELTA_NORM_EPS, groups: Optional[np.ndarray] = None,
+                     share_cap: Optional[float] = None) -> np.ndarray:
     """Per response token A = A_out + Σ_k λ_k Δ'_k (docs/algorithm.md §6-7), float32 flat over responses (sample
     order).
 
     `deltas[k]` float32/float64 [sum resp_lens]: raw Δ of skill type k (skill log-prob - original log-prob);
     `masks[k]` bool/uint8 [S]: samples routed to type k (Δ'_k = 0 elsewhere). `normalize`: (Δ_k − μ)/(σ + eps) over
     its valid tokens (μ, population σ from exact sums; the reference's form); `clip`: then clamp to ±clip. λ_k = 0 skips type k; λ_k < 0 is an error. Arithmetic in float64, rounded to float32 at the end.
+
+    `share_cap` c (with `groups`, int64 [S]: the GRPO group of each sample; algo.skill_share_cap): the skill term
+    K_t = Σ_k λ_k Δ'_k of each group g is scaled down so that Σ_{t∈g} |K_t| ≤ c · Σ_{t∈g} |A_out| (exact sums):
+    A_t = A_out + f_g K_t with f_g = 1, or c·O_g / K_g when the group's skill mass K_g exceeds c·O_g. A group whose
+    outcome advantages are all 0 (its scores tie) gets no skill term. None: no cap (the reference).
     """
     check_array("outcome_adv", outcome_adv, (np.float32, np.float64))
     check_array("resp_lens", resp_lens, (np.int64,), outcome_adv.size)
@@ -195,8 +201,15 @@ def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks
         raise ValueError(f"clip={clip} must be > 0 or None")
     if not (eps > 0 and math.isfinite(eps)):
         raise ValueError(f"eps={eps} must be finite and > 0")
+    if share_cap is not None:
+        if not (float(share_cap) >= 0 and math.isfinite(float(share_cap))):
+            raise ValueError(f"share_cap={share_cap} must be finite and >= 0, or None")
+        if groups is None:
+            raise ValueError("share_cap needs groups (the GRPO group of each sample)")
+        check_array("groups", groups, (np.int64,), outcome_adv.size)
     total = int(resp_lens.sum())
     adv = np.repeat(outcome_adv.astype(np.float64), resp_lens)
+    skill = np.zeros(total) if share_cap is not None else None  # the skill term alone, to cap it per group
     for k, (delta, mask, lam) in enumerate(zip(deltas, masks, lambdas)):
         check_array(f"deltas[{k}]", delta, (np.float32, np.float64), total)
         check_array(f"masks[{k}]", mask, (np.bool_, np.uint8), outcome_adv.size)
@@ -216,5 +229,23 @@ def token_advantages(outcome_adv, resp_lens, deltas: Sequence[np.ndarray], masks
         if clip is not None:
             d = np.minimum(np.maximum(d, -float(clip)), float(clip))
         if lam != 0.0:
-            adv = adv + lam * d
+            if skill is None:
+                adv = adv + lam * d
+            else:
+                skill = skill + lam * d
+    if skill is not None:
+        adv = adv + skill * _group_share_scale(adv, skill, np.repeat(groups, resp_lens), float(share_cap))
     return adv.astype(np.float32)
+
+
+def _group_share_scale(outcome: np.ndarray, skill: np.ndarray, token_groups: np.ndarray, cap: float) -> np.ndarray:
+    """Per token f_g of token_advantages' share cap: 1 where the group's skill mass Σ|K| is at most cap x its outcome
+    mass Σ|A_out| (exact sums), else cap·O_g / K_g."""
+    scale = np.ones_like(skill)
+    for g in np.unique(token_groups).tolist():
+        at = token_groups == g
+        o_mass = math.fsum(np.abs(outcome[at]).tolist())
+        k_mass = math.fsum(np.abs(skill[at]).tolist())
+        if k_mass > cap * o_mass:
+            scale[at] = cap * o_mass / k_mass
+    return scale

@@ -230,6 +230,54 @@ def test_token_advantages_identical_and_matches_algo(seed, n, normalize, clip, l
     assert_close_scaled(x, comb[mask], rel=2e-6, scale=float(size[mask].max()) if total else 0.0)
 
 
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 14), cap=st.sampled_from([0.0, 0.01, 0.3, 1.0, 50.0]),
+       normalize=st.booleans(), clip=st.sampled_from([None, 1.0]), ties=st.booleans())
+def test_token_advantages_share_cap_identical_and_matches_float64(seed, n, cap, normalize, clip, ties):
+    """algo.skill_share_cap: C++ == numpy byte for byte, and both equal a float64 reference written from the rule
+    (per group: skill mass at most cap x outcome mass; a tied group has no skill term)."""
+    rng = np.random.default_rng(seed)
+    resp = rng.integers(0, 6, n).astype(np.int64)
+    total = int(resp.sum())
+    groups = rng.integers(0, 4, n).astype(np.int64)
+    a_out = rng.standard_normal(n) * 0.8
+    if ties:
+        a_out[groups == 0] = 0.0  # group 0's scores tie: its outcome advantages are all 0
+    deltas = [(rng.standard_normal(total) * 4).astype(np.float32), rng.standard_normal(total) * 2]
+    masks = [rng.random(n) < 0.7, rng.random(n) < 0.5]
+    lams = [0.09, 0.3]
+    args = (a_out, resp, deltas, masks, lams, normalize, clip, 1e-6, groups, cap)
+    x, y = both("token_advantages", *args)
+    assert x.dtype == y.dtype == np.float32 and x.tobytes() == y.tobytes()
+    # float64 reference: the uncapped skill term, then the cap by hand
+    plain = ref.token_advantages(np.zeros(n), resp, deltas, masks, lams, normalize, clip).astype(np.float64)
+    out_t, grp_t = np.repeat(a_out, resp), np.repeat(groups, resp)
+    want = out_t.copy()
+    for g in set(groups.tolist()):
+        at = grp_t == g
+        o, k = np.abs(out_t[at]).sum(), np.abs(plain[at]).sum()
+        f = 1.0 if k <= cap * o else cap * o / k
+        want[at] += f * plain[at]
+        got_k = np.abs(x[at].astype(np.float64) - out_t[at]).sum()
+        assert got_k <= cap * o * (1 + 1e-5) + 1e-5 * (1 + k), f"group {g}: skill mass {got_k} > {cap} x {o}"
+        if ties and g == 0:
+            np.testing.assert_array_equal(x[at], np.zeros(int(at.sum()), np.float32))
+    scale = float(np.abs(out_t).max(initial=0) + np.abs(plain).max(initial=0))
+    assert_close_scaled(x, want, rel=2e-6, scale=scale)
+
+
+def test_token_advantages_share_cap_errors():
+    a, r = np.zeros(2), np.array([1, 1], np.int64)
+    d, m = [np.zeros(2)], [np.ones(2, bool)]
+    for impl in (ref, _C):
+        with pytest.raises(ValueError, match="share_cap needs groups"):
+            impl.token_advantages(a, r, d, m, [0.1], False, None, 1e-6, None, 1.0)
+        with pytest.raises(ValueError, match="share_cap"):
+            impl.token_advantages(a, r, d, m, [0.1], False, None, 1e-6, np.zeros(2, np.int64), -1.0)
+        with pytest.raises(ValueError, match="groups"):
+            impl.token_advantages(a, r, d, m, [0.1], False, None, 1e-6, np.zeros(3, np.int64), 1.0)
+
+
 def test_advantages_flow_into_train_batches():
     rng = np.random.default_rng(3)
     ctx, gid, resp = random_alfworld_like(rng, 2, 2, 3)

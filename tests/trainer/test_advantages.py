@@ -91,3 +91,27 @@ def test_advantages_reject_misaligned_skill_logprobs():
     cfg = load_config(None, ["algo.mode=opid"])
     with pytest.raises(ValueError, match=f"step-sample {k} has"):
         compute_advantages(cfg.algo, scored, rewards, invalid, groups)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_skill_share_cap_drops_the_skill_term_of_a_tied_group(backend):
+    """algo.skill_share_cap: a group whose scores all tie trains on nothing (no λΔ-only update); in the others the
+    skill term's mass is at most cap x the outcome term's; cap null is the reference (λΔ everywhere)."""
+    scored, rewards, invalid, groups = _batch(5)
+    for i, g in enumerate(groups):  # group 0 ties: every sample 0 and valid
+        if g == 0:
+            rewards[i], invalid[i] = 0.0, False
+    base = ["algo.mode=opid", "algo.lambda_episode=0.3", "algo.lambda_step=0.7"]
+    free = compute_advantages(load_config(None, base).algo, scored, rewards, invalid, groups, backend=backend)
+    capped = compute_advantages(load_config(None, base + ["algo.skill_share_cap=0.2"]).algo, scored, rewards,
+                                invalid, groups, backend=backend)
+    rows_free, rows_cap = _rows(free), _rows(capped)
+    tied = [i for i, g in enumerate(groups) if g == 0]
+    assert any(np.abs(rows_free[i]).sum() > 0 for i in tied)  # without the cap λΔ alone moves the tied group
+    for i in tied:
+        assert not np.any(rows_cap[i])
+    for g in set(groups) - {0}:
+        members = [i for i, x in enumerate(groups) if x == g]
+        out = sum(abs(float(free.a_out[i])) * len(rows_cap[i]) for i in members)
+        skill = sum(float(np.abs(rows_cap[i].astype(np.float64) - free.a_out[i]).sum()) for i in members)
+        assert out > 0 and skill <= 0.2 * out * (1 + 1e-5)
