@@ -21,9 +21,19 @@ entry text, which names the door just opened.
     the cue, no step skill.
 A step skill never names a wrong door as the thing to do: a wrong colour appears only after "instead of".
 At most `max_step_skills` step skills (the door step first).
+
+`wrong_door_rate` p > 0 makes it an analyzer that errs the way an LLM analyzer does (the mechanism experiment's
+noisy arms): for a share p of the trajectories with a door outcome (a draw from a hash of `seed` and the trajectory's
+observations and actions: the same trajectory always gets the same belief), it believes a WRONG door B is the right
+one (B drawn the same way from the hall's other doors, never the door opened) and writes every skill above from that
+belief: "Open the B door instead of the <opened> door ..." — a wrong door named as the thing to do. Its summary says
+"noisy belief".
 """
 from __future__ import annotations
 
+import hashlib
+import math
+import re
 from typing import Optional
 
 from opid_mega.envs.footprints_env import CLOSET_ENTRY_RE, EMPTY_CHEST, REVEAL_RE, VAULT_ENTRY_RE
@@ -31,6 +41,7 @@ from opid_mega.skills.base import PerTrajectoryAnalyzer
 from opid_mega.skills.types import Analysis, TrajectoryView
 
 CUE_RULE = "In the hall, open the door the fresh footprints lead to; the rug's colour means nothing."
+HALL_DOORS_RE = re.compile(r"Five doors lead off the hall: ([a-z, ]+) and ([a-z]+)\.")
 
 
 def wrong_door_step_skill(right: str, opened: str) -> str:
@@ -51,12 +62,38 @@ def _door_colour(action: str) -> Optional[str]:
     return words[1] if len(words) == 3 and words[0] == "open" and words[2] == "door" else None
 
 
+def _draw(seed: int, what: str, steps: list) -> float:
+    """A number in [0, 1) from a hash of the seed, a purpose and the trajectory's observations and actions."""
+    text = repr((int(seed), what, [(s.raw_obs, s.action) for s in steps]))
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+
+
 class FootprintsHindsightAnalyzer(PerTrajectoryAnalyzer):
-    def __init__(self, max_step_skills: int = 5):
+    def __init__(self, max_step_skills: int = 5, wrong_door_rate: float = 0.0, seed: int = 0):
         if isinstance(max_step_skills, bool) or not isinstance(max_step_skills, int) or max_step_skills < 0:
             raise ValueError(f"FootprintsHindsightAnalyzer: max_step_skills must be an int >= 0, got "
                              f"{max_step_skills!r}")
+        if isinstance(wrong_door_rate, bool) or not isinstance(wrong_door_rate, (int, float)) \
+                or not math.isfinite(wrong_door_rate) or not 0.0 <= wrong_door_rate <= 1.0:
+            raise ValueError(f"FootprintsHindsightAnalyzer: wrong_door_rate must be a number in [0, 1], got "
+                             f"{wrong_door_rate!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"FootprintsHindsightAnalyzer: seed must be an int, got {seed!r}")
         self.max_step_skills = max_step_skills
+        self.wrong_door_rate = float(wrong_door_rate)
+        self.seed = seed
+
+    def noisy_belief(self, steps: list, right: str, opened: str) -> Optional[str]:
+        """The wrong door this analyzer believes right for this trajectory (None: it believes the truth)."""
+        if self.wrong_door_rate <= 0.0 or _draw(self.seed, "wrong", steps) >= self.wrong_door_rate:
+            return None
+        hall = next((HALL_DOORS_RE.search(s.raw_obs or "") for s in steps if HALL_DOORS_RE.search(s.raw_obs or "")),
+                    None)
+        if hall is None:
+            return None
+        doors = [c.strip() for c in hall.group(1).split(",")] + [hall.group(2)]
+        others = [c for c in doors if c not in (right, opened)]
+        return others[int(_draw(self.seed, "door", steps) * len(others))] if others else None
 
     def decision_sections(self, choice: str, options: list, rng) -> list:
         """opid-sft's sft.blind_decision: the skills this analyzer writes that name `choice` (an action
@@ -91,6 +128,13 @@ class FootprintsHindsightAnalyzer(PerTrajectoryAnalyzer):
                                             "steps", episode_skill=CUE_RULE, step_skills={})
         t, opened, right, correct = door
         skills: dict[int, str] = {}
+        believed = self.noisy_belief(steps, right, opened)
+        if believed is not None:  # the noisy analyzer: a wrong door B believed right, the opened one wrong
+            skills[t] = wrong_door_step_skill(believed, opened)
+            chosen = dict(sorted(skills.items())[: self.max_step_skills]) if self.max_step_skills else {}
+            return Analysis(episode_summary=f"privileged footprints hindsight, noisy belief: the {believed} door "
+                                            f"(right: {right}) at step {t}; {'won' if traj.won else 'lost'}",
+                            episode_skill=wrong_door_episode_skill(believed, opened), step_skills=chosen)
         if not correct:
             skills[t] = wrong_door_step_skill(right, opened)
             episode = wrong_door_episode_skill(right, opened)

@@ -27,11 +27,19 @@ own text instead: the episode skill quotes its task line (else its first line), 
 indices it lists (if any) each get a step skill — always valid JSON with valid indices, never an error. A
 "Reply with the single word: X" prompt (the analyzer's start-up probe) is answered with X.
 
+`analyzer` (an import path "package.module:Class" of an opid_mega.skills analyzer with `analyze_one`, built with
+`analyzer_options` and the prompt's K as max_step_skills; default: the rule analyzer) answers in the rule analyzer's
+place, e.g. opid_mega.skills.hindsight:FootprintsHindsightAnalyzer with {"wrong_door_rate": 0.2}: an analyzer that
+errs. `empty_rate` / `malformed_rate`: the share of replies that are empty (the client's transport error, retried) or
+cut in the middle of their JSON (a parse failure, re-asked), each reply's fate drawn from a hash of `seed`, the prompt
+and how many times this server has seen that prompt, so a run's sequence of faults repeats.
+
 Standard library only on the serving side (http.server.ThreadingHTTPServer, one thread per request).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
@@ -41,7 +49,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from opid_mega.envs.prompts import project_action
 from opid_mega.skills.prompts import _FAILURE, _SUCCESS
@@ -140,14 +148,15 @@ def fallback_analysis(prompt: str) -> Analysis:
                                  for i in idx})
 
 
-def analysis_reply(prompt: str) -> str:
-    """The text the stand-in answers `prompt` with (see the module docstring)."""
+def analysis_reply(prompt: str, analyzer: Optional[Callable[[int], Any]] = None) -> str:
+    """The text the stand-in answers `prompt` with (see the module docstring); `analyzer(k)`: the analyzer (with
+    `analyze_one`) for K = k (default: the rule analyzer)."""
     word = _WORD_PROMPT.match(prompt)
     if word:
         return word.group(1)
     try:
         view, k = parse_prompt(prompt)
-        analysis = RuleAnalyzer(max_step_skills=k).analyze_one(view)
+        analysis = (analyzer or (lambda n: RuleAnalyzer(max_step_skills=n)))(k).analyze_one(view)
     except _Unparsed:
         analysis = None
     if analysis is None:
@@ -186,15 +195,59 @@ def _prompt_of(body: Any, model: str) -> tuple[str, bool]:
     return content, stream
 
 
+def analyzer_factory(spec: str, options: Optional[dict] = None) -> Callable[[int], Any]:
+    """k -> the analyzer `spec` names ("package.module:Class", a subclass of opid_mega.skills.Analyzer with
+    analyze_one) built with `options` and max_step_skills=k (one instance per k). Raises ValueError naming a bad
+    spec or option."""
+    from opid_mega.plugins import PluginError
+    from opid_mega.skills.plugins import analyzer_class, analyzer_kwargs
+
+    try:
+        cls = analyzer_class(spec)
+    except PluginError as e:
+        raise ValueError(f"StandinServer: {e}") from None
+    if not callable(getattr(cls, "analyze_one", None)):
+        raise ValueError(f"StandinServer: analyzer {spec!r} has no analyze_one (a per-trajectory analyzer is needed)")
+    made: dict = {}
+
+    def build(k: int):
+        if k not in made:
+            made[k] = cls(**analyzer_kwargs(cls, dict(options or {}), k))
+        return made[k]
+
+    build(5)  # a bad option is an error now, not a 500 on the first request
+    return build
+
+
+def _rate(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value <= 1.0:
+        raise ValueError(f"StandinServer: {name}={value!r} must be a number in [0, 1]")
+    return float(value)
+
+
 class StandinServer:
     """The stand-in on 127.0.0.1:`port` (0: any free port), serving in a background thread between start() and
-    close() (or as a context manager). `base_url`: http://127.0.0.1:<port>/v1."""
+    close() (or as a context manager). `base_url`: http://127.0.0.1:<port>/v1. `analyzer`, `analyzer_options`,
+    `empty_rate`, `malformed_rate`, `seed`: see the module docstring."""
 
-    def __init__(self, latency_s: float = 0.0, model: str = "standin", port: int = 0, host: str = "127.0.0.1"):
+    def __init__(self, latency_s: float = 0.0, model: str = "standin", port: int = 0, host: str = "127.0.0.1",
+                 analyzer: str = "", analyzer_options: Optional[dict] = None, empty_rate: float = 0.0,
+                 malformed_rate: float = 0.0, seed: int = 0):
         if not (isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0):
             raise ValueError(f"StandinServer: latency_s={latency_s!r} must be a finite number of seconds >= 0")
         if not model:
             raise ValueError("StandinServer: model is empty")
+        self.empty_rate, self.malformed_rate = _rate("empty_rate", empty_rate), _rate("malformed_rate", malformed_rate)
+        if self.empty_rate + self.malformed_rate > 1.0:
+            raise ValueError(f"StandinServer: empty_rate + malformed_rate = {self.empty_rate + self.malformed_rate:g} "
+                             "must be at most 1")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"StandinServer: seed={seed!r} must be an int")
+        self.seed = seed
+        self.analyzer = analyzer_factory(analyzer, analyzer_options) if analyzer else None
+        self.seen: dict = {}  # prompt digest -> times answered (the fault draws' counter)
+        self.faults = {"empty": 0, "malformed": 0}
         self.latency_s = float(latency_s)
         self.model = model
         self.requests = 0  # chat completion requests answered (errors included)
@@ -222,6 +275,22 @@ class StandinServer:
             self._thread.join(timeout=10)
             self._thread = None
         self._httpd.server_close()
+
+    def reply(self, prompt: str) -> str:
+        """The reply to `prompt`: the analysis, or (by the fault draw) an empty or cut reply."""
+        text = analysis_reply(prompt, self.analyzer)
+        if not (self.empty_rate or self.malformed_rate) or _WORD_PROMPT.match(prompt):
+            return text
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+        with self._lock:
+            n = self.seen[digest] = self.seen.get(digest, 0) + 1
+        u = int.from_bytes(hashlib.sha256(f"{self.seed}/{digest}/{n}".encode()).digest()[:8], "big") / 2.0 ** 64
+        fault = "empty" if u < self.empty_rate else "malformed" if u < self.empty_rate + self.malformed_rate else ""
+        if not fault:
+            return text
+        with self._lock:
+            self.faults[fault] += 1
+        return "" if fault == "empty" else text[:len(text) // 2]
 
     def __enter__(self) -> "StandinServer":
         return self.start()
@@ -280,7 +349,7 @@ class StandinServer:
                     except (UnicodeDecodeError, ValueError):
                         raise _BadRequest(400, "the request body is not valid JSON") from None
                     prompt, stream = _prompt_of(body, server.model)
-                    text = analysis_reply(prompt)
+                    text = server.reply(prompt)
                     if stream:
                         self._stream(text)
                     else:
@@ -342,9 +411,20 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     ap.add_argument("--latency-s", type=float, default=0.0, help="seconds before the first token of each reply")
     ap.add_argument("--model", default="standin", help="the served model name (requests must name it)")
+    ap.add_argument("--analyzer", default="", help="package.module:Class of the analyzer that answers (default: the "
+                                                   "rule analyzer)")
+    ap.add_argument("--analyzer-options", default="{}", help="its constructor options as a JSON object")
+    ap.add_argument("--empty-rate", type=float, default=0.0, help="share of empty replies")
+    ap.add_argument("--malformed-rate", type=float, default=0.0, help="share of replies cut mid-JSON")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fault draws")
     args = ap.parse_args(argv)
     try:
-        srv = StandinServer(latency_s=args.latency_s, model=args.model, port=args.port, host=args.host)
+        options = json.loads(args.analyzer_options)
+        if not isinstance(options, dict):
+            raise ValueError(f"--analyzer-options must be a JSON object, got {args.analyzer_options!r}")
+        srv = StandinServer(latency_s=args.latency_s, model=args.model, port=args.port, host=args.host,
+                            analyzer=args.analyzer, analyzer_options=options, empty_rate=args.empty_rate,
+                            malformed_rate=args.malformed_rate, seed=args.seed)
     except (ValueError, OSError) as e:
         print(f"standin: {e}", file=sys.stderr)
         return 2

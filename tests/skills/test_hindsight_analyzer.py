@@ -177,3 +177,36 @@ def test_plugin_loading_and_options():
     assert isinstance(res, Analysis) and res.step_skills == {len(g.moves): f"Open the {g.right} door: the fresh "
                                                                            "footprints lead to it, and it is the "
                                                                            "right door."}
+
+
+def test_noisy_belief_names_a_wrong_door_at_its_rate(env):
+    """wrong_door_rate p: a share ~p of the trajectories with a door outcome get skills written from a wrong door B
+    (never the right one, never the one opened: a wrong door named as the thing to do); the same trajectory always
+    gets the same belief; p = 0 is the privileged analyzer exactly; bad rates are refused."""
+    rng = random.Random(7)
+    trajs = []
+    for task in env.task_pool("valid")[:48]:
+        g = make_game(task.data["seed"])
+        door = g.right if rng.random() < 0.5 else rng.choice([c for c in g.doors if c != g.right])
+        trajs.append((g, door, play(env, task, [f"go {d}" for d in g.moves] + [f"open {door} door", "take coin"])))
+    exact, noisy = FootprintsHindsightAnalyzer(), FootprintsHindsightAnalyzer(wrong_door_rate=0.4, seed=3)
+    assert FootprintsHindsightAnalyzer(wrong_door_rate=0.0, seed=3).analyze(
+        [t for *_, t in trajs]) == exact.analyze([t for *_, t in trajs])
+    wrong = 0
+    for g, door, traj in trajs:
+        a, b = exact.analyze_one(traj), noisy.analyze_one(traj)
+        assert b == noisy.analyze_one(traj)  # the same trajectory, the same belief
+        if a == b:
+            continue
+        wrong += 1
+        [(step, skill)] = b.step_skills.items()
+        named = re.match(r"Open the (\w+) door instead of the (\w+) door", skill)
+        assert named and named.group(2) == door and named.group(1) not in (g.right, door)
+        assert named.group(1) in g.doors and f"the footprints lead to the {named.group(1)} door" in b.episode_skill
+        assert "noisy belief" in b.episode_summary and step == len(g.moves)
+    assert 0.2 * len(trajs) <= wrong <= 0.6 * len(trajs), wrong  # 0.4 of 48: 19 expected
+    assert FootprintsHindsightAnalyzer(wrong_door_rate=0.4, seed=4).analyze([t for *_, t in trajs]) != \
+        noisy.analyze([t for *_, t in trajs])  # another seed, other draws
+    for bad in (-0.1, 1.5, float("nan"), True, "0.2"):
+        with pytest.raises(ValueError, match="wrong_door_rate must be a number in"):
+            FootprintsHindsightAnalyzer(wrong_door_rate=bad)

@@ -135,3 +135,71 @@ def test_cli_prints_the_url_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _footprints_trajectory(seed_index: int, wrong: bool) -> TrajectoryView:
+    from opid_mega.envs import format_response, make_env
+    from opid_mega.envs.footprints_env import make_game
+
+    env = make_env("footprints")
+    task = env.task_pool("valid")[seed_index]
+    g = make_game(task.data["seed"])
+    door = next(c for c in g.doors if c != g.right) if wrong else g.right
+    env.reset(task)
+    raw, steps = env.raw_obs, []
+    for a in [f"go {d}" for d in g.moves] + [f"open {door} door", "take coin"]:
+        _, reward, done, info = env.step(a)
+        steps.append(StepView(raw, format_response(a, "t"), float(reward), a, True))
+        raw = info["raw_obs"]
+        if done:
+            break
+    return TrajectoryView(task=env.task_description, won=bool(info["won"]), steps=steps, traj_id=task.id)
+
+
+def test_a_chosen_analyzer_answers_through_the_real_client():
+    """analyzer=: the footprints hindsight analyzer (here with its wrong-door noise) answers in the rule analyzer's
+    place, and what the real LLMAnalyzer parses is exactly what that analyzer makes of the trajectory; a bad
+    analyzer or option is refused at construction."""
+    from opid_mega.skills.hindsight import FootprintsHindsightAnalyzer
+
+    trajs = [_footprints_trajectory(i, wrong=i % 2 == 1) for i in range(6)]
+    spec, opts = "opid_mega.skills.hindsight:FootprintsHindsightAnalyzer", {"wrong_door_rate": 0.5, "seed": 2}
+    with StandinServer(analyzer=spec, analyzer_options=opts) as srv, \
+            llm_analyzer(_cfg(srv.base_url), cache_path=None) as an:
+        records = an.analyze_records(trajs)
+    want = FootprintsHindsightAnalyzer(max_step_skills=5, **opts)
+    for traj, rec in zip(trajs, records):
+        assert rec.failure is None and rec.analysis == want.analyze_one(traj)
+    assert any("noisy belief" in r.analysis.episode_summary for r in records)
+    with pytest.raises(ValueError, match="not_a_module"):
+        StandinServer(analyzer="not_a_module:X")
+    with pytest.raises(ValueError, match="wrong_door_rate"):
+        StandinServer(analyzer=spec, analyzer_options={"wrong_door_rate": 2})
+    with pytest.raises(ValueError, match="empty_rate"):
+        StandinServer(empty_rate=1.5)
+
+
+def test_empty_and_cut_replies_go_through_the_retry_and_reask_paths():
+    """empty_rate / malformed_rate: the client retries an empty reply (transport error) and re-asks a cut one (parse
+    failure); the faults are drawn from the seed, the prompt and its repeat count, so the same requests meet the same
+    faults; with every reply empty the analysis fails after the client's attempts."""
+    trajs = []
+    for i in range(6):  # twelve different trajectories: each its own prompt
+        for t in (_won(), _lost()):
+            t.task, t.traj_id = f"{t.task} (variant {i})", f"{t.traj_id}{i}"
+            trajs.append(t)
+
+    def run(**faults):
+        with StandinServer(seed=5, **faults) as srv, llm_analyzer(_cfg(srv.base_url), cache_path=None) as an:
+            records = an.analyze_records(trajs)
+            return records, dict(srv.faults), srv.requests
+
+    records, faults, requests = run(empty_rate=0.3, malformed_rate=0.3)
+    assert faults["empty"] > 0 and faults["malformed"] > 0 and requests > len(trajs) + 1
+    assert any(r.reasked for r in records)
+    for traj, rec in zip(trajs, records):
+        if rec.failure is None:
+            assert rec.analysis == RuleAnalyzer(max_step_skills=5).analyze_one(traj)
+    assert run(empty_rate=0.3, malformed_rate=0.3)[1:] == (faults, requests)  # the same faults again
+    dead, dead_faults, _ = run(empty_rate=1.0)
+    assert all(r.analysis is None and r.failure for r in dead) and dead_faults["malformed"] == 0
