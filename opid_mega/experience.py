@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from opid_mega import algo
-from opid_mega.batching.layout import csr_offsets
-from opid_mega.scoring.scorer import ScoreRequest
+from opid_mega.batching.layout import ContextBatch, csr_offsets, csr_ranges, skill_contexts
+from opid_mega.scoring.scorer import Scores
 from opid_mega.skills.injection import anchor, inject_skills, render_skill_section
 
 KINDS = (algo.EPISODE, algo.STEP)
@@ -137,21 +137,23 @@ class Experience:
         return f"{self.iteration}/{self.trajectories[ti].task_id}/{ti}/s{int(self.step_index[s])}"
 
     def contexts(self, s: int) -> dict:
-        """{kind: (insert_at, section token list)} of sample s's skill contexts."""
-        out = {}
-        for c in range(self.skill_offsets[s], self.skill_offsets[s + 1]):
-            sec = self.section_tokens[self.section_offsets[c]:self.section_offsets[c + 1]]
-            out[self.skill_kinds[c]] = (int(self.skill_insert_at[c]), sec.tolist())
-        return out
-
-    def drops(self, s: int) -> dict:
-        """{kind: leading tokens cut} of sample s's skill contexts that are truncated."""
+        """{kind: (insert_at, section token list)} of sample s's skill contexts (a per-sample view for tests and
+        the audit; the stages read the columns)."""
         own = range(self.skill_offsets[s], self.skill_offsets[s + 1])
-        return {self.skill_kinds[c]: int(self.skill_drop[c]) for c in own if self.skill_drop[c] > 0}
+        return {self.skill_kinds[c]: (int(self.skill_insert_at[c]),
+                                      self.section_tokens[self.section_offsets[c]:self.section_offsets[c + 1]].tolist())
+                for c in own}
 
-    def score_requests(self) -> list:
-        return [ScoreRequest(self.prompt(s).tolist(), self.response(s).tolist(), self.contexts(s), self.drops(s))
-                for s in range(self.num_samples)]
+    def scoring_contexts(self, skills: bool = True) -> ContextBatch:
+        """The contexts a scorer scores, as one CSR batch: every sample's original context, then (`skills`) its skill
+        contexts in the record's order (opid_mega.batching.layout.skill_contexts: the one place where insertion
+        points become tokens; the training batches come through it too)."""
+        if not skills or not self.skill_kinds:
+            n = self.num_samples
+            return skill_contexts(self.tokens, self.seq_offsets, self.prompt_lens, np.zeros(n + 1, np.int64),
+                                  np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, self.tokens.dtype))
+        return skill_contexts(self.tokens, self.seq_offsets, self.prompt_lens, self.skill_offsets,
+                              self.skill_insert_at, self.section_offsets, self.section_tokens, self.skill_drop)
 
     def skill_columns(self) -> dict:
         """The skill contexts as the policy's training view takes them (TrainData's skill_* keyword arguments)."""
@@ -265,53 +267,58 @@ def minibatch_order(exp: Experience, ranks: int, mini_batch_size: int) -> np.nda
 
 
 # ---- the score stage ----------------------------------------------------------------------------------------------
-def _flat(tensors: list, lens: np.ndarray, what: str) -> np.ndarray:
-    got = np.fromiter((t.numel() for t in tensors), np.int64, count=len(tensors))
-    bad = np.flatnonzero(got != lens)
-    if bad.size:
-        raise ValueError(f"{what} of step-sample {int(bad[0])} has {int(got[bad[0]])} values, its response "
-                         f"{int(lens[bad[0]])} tokens")
-    return torch.cat([t.reshape(-1).float() for t in tensors]).numpy() if tensors else np.zeros(0, np.float32)
-
-
-def divergence_term(r, kind: str, delta: str) -> torch.Tensor:
-    """What `delta` (full_kl / topk_kl) adds to the sampled Δ on one step-sample's tokens for skill type `kind`:
-    KL(p_o‖p_s) or its top-k estimate (zeros where the sample has no such skill: masked anyway)."""
-    if kind not in r.skill:
-        return torch.zeros_like(r.orig)
-    if kind not in r.divergence:
-        raise ValueError(f"algo.delta={delta}: the scorer returned no divergence for skill type {kind!r} "
-                         "(scoring.scorer must be fork)")
-    return algo.delta_baseline({k: v.double() for k, v in r.divergence[kind].items() if k != "topk_ids"}, delta)
-
-
 def reference(exp: Experience, scorer) -> None:
     """reference: ref_logprobs, the original contexts scored by `scorer` (one packer for every context; the caller
     holds the reference weights in the model)."""
-    requests = [ScoreRequest(exp.prompt(s).tolist(), exp.response(s).tolist()) for s in range(exp.num_samples)]
-    exp.ref_logprobs = torch.from_numpy(_flat([r.orig for r in scorer.score(requests)], exp.resp_lens,
-                                              "the reference log-probs"))
+    exp.ref_logprobs = torch.from_numpy(scorer.score(exp.scoring_contexts(skills=False)).logprobs)
 
 
-def fill_scores(exp: Experience, results: list, delta: str = "sampled") -> None:
-    """The scorer's ScoreResults (one per sample) into the record's columns: old log-probs, every kind's skill
-    log-probs (the old ones where the sample was not routed to the kind) and, for algo.delta full_kl / topk_kl, the
-    divergence term. Each result must hold one value per response token (a clear error names the sample)."""
-    lens = exp.resp_lens
-    exp.old_logprobs = _flat([r.orig for r in results], lens, "the original log-probs")
+def fill_scores(exp: Experience, scores: Scores, delta: str = "sampled") -> None:
+    """A scorer's output over exp.scoring_contexts() into the record's columns: old log-probs (each sample's
+    original context), every kind's skill log-probs (the old ones where the sample was not routed to the kind)
+    and, for algo.delta full_kl / topk_kl, the divergence term (0 where not routed)."""
+    S, lens = exp.num_samples, exp.resp_lens
+    per = np.diff(exp.skill_offsets) if exp.skill_kinds else np.zeros(S, np.int64)
+    first = csr_offsets(per + 1)[:-1]  # each sample's original context
+    is_skill = np.ones(S + int(per.sum()), bool)
+    is_skill[first] = False
+    ctx_resp = np.repeat(lens, per + 1)
+    at = csr_offsets(ctx_resp)
+    if scores.logprobs.shape != (int(at[-1]),):
+        raise ValueError(f"the scorer returned {scores.logprobs.size} log-probs for the {int(at[-1])} response tokens "
+                         f"of {S} step-samples' {ctx_resp.size} contexts")
+    exp.old_logprobs = scores.logprobs[csr_ranges(at[first], lens)].astype(np.float32)
+    owner = np.repeat(np.arange(S), per)  # the sample of each skill context (record order)
+    skill_ctx = np.flatnonzero(is_skill)  # their context indices
+    resp_at = csr_offsets(lens)
+    kinds = np.asarray(exp.skill_kinds, dtype=object)
+    div_at = csr_offsets(lens[owner])
     for kind in KINDS:
-        exp.routed[kind] = np.fromiter((kind in r.skill for r in results), bool, count=len(results))
-        exp.skill_logprobs[kind] = _flat([r.skill.get(kind, r.orig) for r in results], lens,
-                                         f"the {kind}-skill log-probs")
+        mine = np.flatnonzero(kinds == kind) if kinds.size else np.zeros(0, np.int64)
+        exp.routed[kind] = np.zeros(S, bool)
+        exp.routed[kind][owner[mine]] = True
+        dest = csr_ranges(resp_at[owner[mine]], lens[owner[mine]])
+        col = exp.old_logprobs.copy()
+        col[dest] = scores.logprobs[csr_ranges(at[skill_ctx[mine]], lens[owner[mine]])]
+        exp.skill_logprobs[kind] = col
         if delta != "sampled":
-            exp.divergence[kind] = _flat([divergence_term(r, kind, delta) for r in results], lens,
-                                         f"the {kind}-skill divergence")
+            if not scores.divergence and mine.size:
+                raise ValueError(f"algo.delta={delta}: the scorer returned no divergence for skill type {kind!r} "
+                                 "(scoring.scorer must be fork)")
+            src = csr_ranges(div_at[mine], lens[owner[mine]])
+            rows = {k: torch.from_numpy(np.asarray(v)[src]).double() for k, v in scores.divergence.items()
+                    if k != "topk_ids"} if mine.size else {}
+            term = np.zeros(int(lens.sum()), np.float32)
+            if mine.size:
+                term[dest] = algo.delta_baseline(rows, delta).float().numpy()
+            exp.divergence[kind] = term
 
 
 def score(exp: Experience, scorer, delta: str = "sampled") -> None:
     """score: the old weights on the original context (PPO's old log-probs) and every routed skill context."""
-    fill_scores(exp, scorer.score(exp.score_requests()), delta)
-    exp.scored_tokens = getattr(scorer, "last_tokens", 0)
+    scores = scorer.score(exp.scoring_contexts())
+    fill_scores(exp, scores, delta)
+    exp.scored_tokens = scores.tokens
 
 
 # ---- the advantages stage -----------------------------------------------------------------------------------------
@@ -456,17 +463,38 @@ def advantage_records(exp: Experience) -> list:
     return out
 
 
+def scores_of_results(exp: Experience, results: list) -> Scores:
+    """Per-sample ScoreResults (tests, benchmarks) as the scorer's columns over `exp`: the record's skill contexts
+    become the results' kinds (each sample's contexts in kind order), and the returned Scores hold each sample's
+    original log-probs then its skill log-probs. A result whose length is not its sample's response's is a
+    ValueError naming the sample."""
+    lens = exp.resp_lens
+    kinds = [sorted(r.skill) for r in results]
+    for i, r in enumerate(results):
+        for what, t in [("original", r.orig)] + [(f"{k}-skill", r.skill[k]) for k in kinds[i]]:
+            if t.numel() != lens[i]:
+                raise ValueError(f"the {what} log-probs of step-sample {i} has {t.numel()} values, its response "
+                                 f"{int(lens[i])} tokens")
+    exp.skill_offsets, exp.skill_kinds = csr_offsets([len(k) for k in kinds]), [k for ks in kinds for k in ks]
+    parts = [t for r, ks in zip(results, kinds) for t in [r.orig] + [r.skill[k] for k in ks]]
+    keys = sorted({key for r in results for d in r.divergence.values() for key in d})
+    divergence = {key: np.concatenate([r.divergence[k][key].double().numpy() for r, ks in zip(results, kinds)
+                                       for k in ks]) for key in keys}
+    return Scores(torch.cat([t.reshape(-1).float() for t in parts]).numpy() if parts else np.zeros(0, np.float32),
+                  divergence)
+
+
 def compute_advantages(a, results: list, scores, invalid, groups, backend: Optional[str] = None) -> Experience:
     """The advantages stage on scorer results alone (tests, benchmarks): a record holding only the columns it
     reads (one ScoreResult, outcome score, invalid flag and group per step-sample; `a` the AlgoConfig)."""
     S = len(results)
+    lens = np.fromiter((r.orig.numel() for r in results), np.int64, count=S)
     exp = Experience(
         iteration=0, trajectories=[], rollout_trajectories=0, env_errors=0, deadline_trajectories=0,
         traj_index=np.zeros(S, np.int64), step_index=np.zeros(S, np.int64), tokens=np.zeros(0, np.int32),
-        seq_offsets=np.zeros(S + 1, np.int64), prompt_lens=np.zeros(S, np.int64),
-        resp_lens=np.fromiter((r.orig.numel() for r in results), np.int64, count=S),
+        seq_offsets=np.zeros(S + 1, np.int64), prompt_lens=np.zeros(S, np.int64), resp_lens=lens,
         groups=np.asarray(groups, np.int64), scores=np.asarray(scores, np.float64),
         invalid=np.asarray(invalid, bool), engine_logprobs=np.zeros(0), policy_version=np.zeros(S, np.int64))
-    fill_scores(exp, results, a.delta if a.mode not in ("grpo", "skill_grpo") else "sampled")
+    fill_scores(exp, scores_of_results(exp, results), a.delta if a.mode not in ("grpo", "skill_grpo") else "sampled")
     advantages(exp, a, backend=backend)
     return exp

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from opid_mega.batching import reference
-from opid_mega.batching.layout import ContextBatch, flatten_contexts, shared_fraction
+from opid_mega.batching.layout import ContextBatch, csr_ranges, flatten_contexts, shared_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -213,12 +213,23 @@ class PackedBatches:
             out.append((ranges(a[sel]), ranges(b[sel])))
         return out, starts
 
+    def context_values(self, gathered) -> np.ndarray:
+        """Gathered values -> one flat array, context-major: context c's resp_len values at
+        csr_offsets(resp_lens)[c] (the columns a record keeps). `gathered` as for `unpack_logprobs`."""
+        flat = self._gathered(gathered)
+        return flat[csr_ranges(self.flat["ctx_gather_start"], self.resp_lens)]
+
     def unpack_logprobs(self, gathered) -> List[List[np.ndarray]]:
         """Gathered values -> `out[sample][context]` (resp_len values each).
 
         `gathered`: one flat array over all micro-batches (rank-major, concatenated), or a list with one array per
         micro-batch in rank-major order (torch tensors are accepted).
         """
+        from opid_mega.batching.layout import unpack_logprobs
+        return unpack_logprobs(self._gathered(gathered), self.flat["ctx_gather_start"], self.resp_lens,
+                               self.sample_offsets)
+
+    def _gathered(self, gathered) -> np.ndarray:
         if isinstance(gathered, (list, tuple)):
             parts = [np.asarray(_np(x)) for x in gathered]
             if len(parts) != self.num_ranks * self.micro_batches_per_rank:
@@ -234,8 +245,7 @@ class PackedBatches:
             flat = np.asarray(_np(gathered))
             if flat.shape != (self.flat["gather_rows"].size,):
                 raise ValueError(f"unpack_logprobs: shape {flat.shape}, expected ({self.flat['gather_rows'].size},)")
-        from opid_mega.batching.layout import unpack_logprobs
-        return unpack_logprobs(flat, self.flat["ctx_gather_start"], self.resp_lens, self.sample_offsets)
+        return flat
 
 
 def build_fork_batches(contexts: ContextBatch, budget: int, num_ranks: int = 1, *, share_prompts: bool = True,

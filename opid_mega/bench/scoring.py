@@ -255,17 +255,21 @@ def _rescoring_case(chunks, dims, placement, shape, reqs, refs, dtype_name, runs
     P, S, T, R = shape["P"], shape["S"], shape["T"], shape["R"]
     n = len(reqs)
     naive_tokens, fork_tokens = n * (2 * (P + T + R) + S), n * (P + S + 2 * T + 2 * R)
+    from opid_mega.scoring.scorer import context_batch, per_sample
+
     naive, fork = scorers(chunks, naive_tokens + 1)  # every context of the call in one micro-batch
     f_naive, f_fork = scoring_flops(dims, [P + T + R, P + S + T + R] * n, [(P, [S + T + R, T + R])] * n,
                                     resp_rows=2 * R * n)
+    ctx, kinds = context_batch(reqs)  # the columns a record hands the scorer
 
-    def error(results, refs=refs):
+    def error(scores, refs=refs):
+        results = per_sample(ctx, kinds, scores)
         return {"orig": max(max_abs(r.orig, o) for r, (o, _) in zip(results, refs)),
                 "skill": max(max_abs(r.skill["episode"], s) for r, (_, s) in zip(results, refs))}
 
-    rows = [Method("fork scorer (shared prefix once)", "ours", runs_as, lambda: fork.score(reqs)),
+    rows = [Method("fork scorer (shared prefix once)", "ours", runs_as, lambda: fork.score(ctx)),
             Method("naive two-pass scorer (each context its own sequence)", "peer", runs_as,
-                   lambda: naive.score(reqs))]
+                   lambda: naive.score(ctx))]
     shape_out = dict(shape, samples=n, layers=dims["layers"], ffn=dims["ffn"], naive_tokens=naive_tokens,
                      fork_tokens=fork_tokens)
     bound_speedup = f_naive / f_fork

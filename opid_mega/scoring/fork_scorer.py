@@ -14,7 +14,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from opid_mega.scoring.scorer import ScoreRequest, ScoreResult, check_temperature, context_batch
+from opid_mega.batching.layout import ContextBatch
+from opid_mega.scoring.scorer import Scores, check_temperature, skill_context_index
 
 # packed_logprob_fn(micro_batches, temperature=T) -> one float32 tensor [M_b] per micro-batch: the log-probs of
 # `gather_targets` read at hidden rows `gather_rows` (see opid_mega.batching.MicroBatch) under softmax(logits / T).
@@ -31,61 +32,50 @@ class ForkScorer:
         if divergence_topk is not None and (int(divergence_topk) != divergence_topk or divergence_topk < 0):
             raise ValueError(f"ForkScorer: divergence_topk={divergence_topk!r} must be None or an integer >= 0")
         # None: log-probs only (the paper's Δ). k >= 0: also the divergences of every skill context against the
-        # original one (ScoreResult.divergence; k > 0 adds the top-k of the skill side)
+        # original one (Scores.divergence; k > 0 adds the top-k of the skill side)
         self.divergence_topk = divergence_topk
         self.packed_logprob_fn = packed_logprob_fn
         self.temperature = check_temperature(temperature, "ForkScorer")
         self.max_tokens = max_tokens
         self.share_prompts = share_prompts
-        self.last_tokens = 0  # tokens run through the model by the last score() call
         self.last_naive_tokens = 0  # what the naive scorer would have run
         self.last_shared_fraction = 0.0
 
-    def pack(self, requests: Sequence[ScoreRequest]):
-        """(PackedBatches, kinds per request) for `requests` (C++ batch builder when built)."""
+    def score(self, contexts: ContextBatch) -> Scores:
+        """Every context's response log-probs (and, with divergence_topk set, every skill context's divergences
+        against its sample's original context) in one forward per micro-batch."""
         from opid_mega.batching import build_fork_batches
 
-        contexts, kinds = context_batch(requests)
+        if contexts.num_contexts == 0:
+            return Scores(np.zeros(0, np.float32))
         packed = build_fork_batches(contexts, self.max_tokens, 1, share_prompts=self.share_prompts)
-        return packed, kinds
-
-    def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        if not requests:
-            return []
-        packed, kinds = self.pack(requests)
         mbs = packed.micro_batches(0)
-        self.last_tokens = int(sum(mb.num_tokens for mb in mbs))
         self.last_naive_tokens = int(packed.num_naive_tokens)
         self.last_shared_fraction = float(packed.shared_fraction)
+        tokens = int(sum(mb.num_tokens for mb in mbs))
         if self.divergence_topk is None:
-            flats = self.packed_logprob_fn(mbs, temperature=self.temperature)
-        else:  # every (skill context, original context) pair of a sample: its rows lie in one micro-batch
-            pairs = [(int(packed.sample_offsets[i]) + j, int(packed.sample_offsets[i]))
-                     for i, ks in enumerate(kinds) for j in range(1, len(ks))]
-            per_mb, starts = packed.pair_positions(np.array(pairs, np.int64).reshape(-1, 2))
+            outs = self.packed_logprob_fn(mbs, temperature=self.temperature)
+            flats = outs
+        else:  # every (skill context, its sample's original context) pair: its rows lie in one micro-batch
+            skill = skill_context_index(contexts)
+            owner = np.searchsorted(contexts.sample_offsets, skill, side="right") - 1
+            pairs = np.stack([skill, contexts.sample_offsets[owner]], axis=1) if skill.size else \
+                np.zeros((0, 2), np.int64)
+            per_mb, starts = packed.pair_positions(pairs)
             outs = self.packed_logprob_fn(mbs, temperature=self.temperature, pairs=per_mb,
                                           topk=self.divergence_topk)
-            if len(outs) != len(mbs):
-                raise RuntimeError(f"packed_logprob_fn returned {len(outs)} results for {len(mbs)} micro-batches")
-            flats = [o["logprobs"] for o in outs]
+            flats = [o["logprobs"] for o in outs] if len(outs) == len(mbs) else outs
         if len(flats) != len(mbs):
             raise RuntimeError(f"packed_logprob_fn returned {len(flats)} results for {len(mbs)} micro-batches")
         for b, (mb, f) in enumerate(zip(mbs, flats)):
             if f.numel() != len(mb.gather_rows):
                 raise RuntimeError(f"micro-batch {b}: {f.numel()} log-probs for {len(mb.gather_rows)} rows")
-        values = packed.unpack_logprobs([f.detach().float().cpu().numpy() for f in flats])
-        results = []
-        for ks, per_ctx in zip(kinds, values):
-            by_kind = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in zip(ks, per_ctx)}
-            orig = by_kind.pop(None)
-            results.append(ScoreResult(orig=orig, skill=by_kind))
-        if self.divergence_topk is not None:
-            ctx_mb = packed.flat["ctx_micro_batch"]
-            p = 0
-            for i, (ks, r) in enumerate(zip(kinds, results)):
-                for kind in ks[1:]:
-                    k, n = int(ctx_mb[pairs[p][1]]), r.orig.numel()
-                    s0 = int(starts[p])
-                    r.divergence[kind] = {key: v[s0:s0 + n] for key, v in outs[k].items() if key != "logprobs"}
-                    p += 1
-        return results
+        logprobs = packed.context_values([f.detach().float().cpu().numpy() for f in flats]).astype(np.float32)
+        divergence = {}
+        if self.divergence_topk is not None and skill.size:
+            mb_of = packed.flat["ctx_micro_batch"][pairs[:, 1]]
+            lens = contexts.resp_lens[skill]
+            for key in (k for k in outs[0] if k != "logprobs"):
+                parts = [outs[int(k)][key].detach().cpu().numpy()[s0:s0 + n] for k, s0, n in zip(mb_of, starts, lens)]
+                divergence[key] = np.concatenate(parts) if parts else np.zeros(0)
+        return Scores(logprobs, divergence, tokens)

@@ -1,14 +1,22 @@
-"""The `Scorer` interface: per step-sample, the old policy's log-probs of the response under the original context
-(PPO's old log-probs) and under each skill-augmented context (docs/algorithm.md §6).
+"""The `Scorer` interface: the old policy's log-probs of every step-sample's response under its original context
+(PPO's old log-probs) and under each skill-augmented context (docs/algorithm.md §6), as columns.
+
+A scorer takes a `ContextBatch` (opid_mega.batching.layout: CSR tokens, one original context per sample then its
+skill contexts, built from a record's columns by `layout.skill_contexts`, the one function that turns insertion
+points into tokens) and returns `Scores`: one flat float32 array of every context's response log-probs,
+context-major, plus (fork scorer with divergences) each skill context's divergences against its sample's original
+context. No per-sample objects: the record's columns go in, columns come out (opid_mega.experience.score).
 
 `NaiveScorer` runs every context as its own sequence (the reference code's way, and the benchmark baseline);
 `opid_mega.scoring.fork_scorer.ForkScorer` scores all contexts of a step-sample in one forward over the fork layout.
-Both take the model through one function, `logprob_fn`, so the scorer knows no Megatron.
+Both take the model through one function, so the scorer knows no Megatron.
 
 Temperature: every context is scored at the rollout's sampling temperature T (log-probs of softmax(logits / T), as
 the sampler saw them; docs/algorithm.md "Reference rules in detail"), so the original context gives exactly PPO's old
 log-probs and Δ compares two distributions at the same T. A scorer is built with `temperature=T` and hands it to its
 model function as the keyword `temperature=` on every call (1.0: the plain softmax).
+
+`ScoreRequest` / `context_batch` build a ContextBatch from Python lists (tests and benchmarks).
 """
 from __future__ import annotations
 
@@ -69,11 +77,62 @@ def context_batch(requests: Sequence[ScoreRequest]) -> tuple[ContextBatch, list]
 
 @dataclass
 class ScoreResult:
+    """One step-sample's scores as tensors (the input of experience.compute_advantages in tests and benchmarks)."""
+
     orig: torch.Tensor  # float32 [R]: log π_old(y_t | h, y_<t)
     skill: dict  # kind -> float32 [R]: log π_old(y_t | h ⊕ s_kind, y_<t)
     # kind -> the divergences of that skill context against the original one, per response token (ForkScorer with
     # divergence_topk set): dual_context_divergence's keys, e.g. "kl_orig_skill" float32 [R] = KL(p_o ‖ p_s)
     divergence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Scores:
+    """A scorer's output over a ContextBatch `ctx`.
+
+    logprobs float32 [Σ_c ctx.resp_lens[c]]: context c's response log-probs at csr_offsets(ctx.resp_lens)[c].
+    divergence: key -> float32 [Σ over skill contexts of their resp_len], the skill contexts (every context but the
+    first of its sample) in context order: their divergences against the sample's first (original) context
+    (dual_context_divergence's keys; empty unless the scorer computes them). tokens: tokens run through the model.
+    """
+
+    logprobs: np.ndarray
+    divergence: dict = field(default_factory=dict)
+    tokens: int = 0
+
+
+def skill_context_index(ctx: ContextBatch) -> np.ndarray:
+    """int64: the indices of the skill contexts of `ctx` (every context that is not the first of its sample)."""
+    first = np.zeros(ctx.num_contexts, bool)
+    first[ctx.sample_offsets[:-1][np.diff(ctx.sample_offsets) > 0]] = True
+    return np.flatnonzero(~first)
+
+
+def score_requests(scorer, requests: Sequence["ScoreRequest"]) -> list:
+    """`scorer` over Python-list requests, one ScoreResult per request (tests and benchmarks; the trainer's stages
+    hand the scorer the record's columns)."""
+    ctx, kinds = context_batch(requests)
+    return per_sample(ctx, kinds, scorer.score(ctx))
+
+
+def per_sample(ctx: ContextBatch, kinds: Sequence[list], scores: Scores) -> list:
+    """`scores` as one ScoreResult per sample (`kinds[i]`: context_batch's kinds of sample i): a view for tests."""
+    at = csr_offsets(ctx.resp_lens)
+    skill_at = {int(c): j for j, c in enumerate(skill_context_index(ctx))}
+    div_at = csr_offsets(ctx.resp_lens[skill_context_index(ctx)])
+    out = []
+    for i, ks in enumerate(kinds):
+        c0 = int(ctx.sample_offsets[i])
+        vals = {k: torch.from_numpy(np.ascontiguousarray(scores.logprobs[at[c0 + j]:at[c0 + j + 1]], np.float32))
+                for j, k in enumerate(ks)}
+        res = ScoreResult(orig=vals.pop(None), skill=vals)
+        for j, k in enumerate(ks[1:], start=1):
+            e = skill_at[c0 + j]
+            if scores.divergence:
+                res.divergence[k] = {key: torch.from_numpy(v[div_at[e]:div_at[e + 1]])
+                                     for key, v in scores.divergence.items()}
+        out.append(res)
+    return out
 
 
 # logprob_fn(sequences, temperature=T) -> log-probs: for each (tokens, score_from), the float32 log-probs of
@@ -90,7 +149,18 @@ def check_temperature(temperature: float, who: str) -> float:
 
 
 class Scorer(Protocol):
-    def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]: ...
+    def score(self, contexts: ContextBatch) -> Scores: ...
+
+
+def flat_logprobs(parts: Sequence[torch.Tensor], lens: np.ndarray, what: str) -> np.ndarray:
+    """float32 concatenation of one tensor per context, each checked to hold that context's `lens[c]` values."""
+    got = np.fromiter((t.numel() for t in parts), np.int64, count=len(parts))
+    if got.shape != lens.shape or np.any(got != lens):
+        bad = int(np.flatnonzero(got != lens)[0]) if got.shape == lens.shape else -1
+        raise RuntimeError(f"{what}: {len(parts)} results for {lens.size} contexts" if bad < 0 else
+                           f"{what}: context {bad} got {int(got[bad])} log-probs for {int(lens[bad])} response tokens")
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in parts]).numpy() if parts else \
+        np.zeros(0, np.float32)
 
 
 class NaiveScorer:
@@ -101,19 +171,11 @@ class NaiveScorer:
     def __init__(self, logprob_fn: LogprobFn, temperature: float = 1.0):
         self.logprob_fn = logprob_fn
         self.temperature = check_temperature(temperature, "NaiveScorer")
-        self.last_tokens = 0  # tokens run through the model by the last score() call
 
-    def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
-        ctx, kinds = context_batch(requests)
-        seqs = [(ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist(),
-                 int(ctx.ctx_offsets[c + 1] - ctx.ctx_offsets[c] - ctx.resp_lens[c])) for c in range(ctx.num_contexts)]
-        index = [(i, kind) for i, ks in enumerate(kinds) for kind in ks]
-        self.last_tokens = sum(len(t) for t, _ in seqs)
+    def score(self, contexts: ContextBatch) -> Scores:
+        ctx = contexts
+        lens = np.diff(ctx.ctx_offsets)
+        seqs = [(ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist(), int(lens[c] - ctx.resp_lens[c]))
+                for c in range(ctx.num_contexts)]
         lps = self.logprob_fn(seqs, temperature=self.temperature) if seqs else []
-        results = [ScoreResult(orig=torch.empty(0), skill={}) for _ in requests]
-        for (i, kind), lp in zip(index, lps):
-            if kind is None:
-                results[i].orig = lp
-            else:
-                results[i].skill[kind] = lp
-        return results
+        return Scores(flat_logprobs(lps, ctx.resp_lens, "NaiveScorer"), tokens=int(lens.sum()))

@@ -9,6 +9,8 @@ import torch
 from megatron_testutil import make_hf_model
 from tolerance import assert_close_scaled
 
+from opid_mega.scoring.scorer import ScoreRequest, score_requests
+
 pytest.importorskip("megatron.core")
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
@@ -46,7 +48,6 @@ def setup(tmp_path_factory):
 
 
 def _requests():
-    from opid_mega.scoring.scorer import ScoreRequest
 
     g = torch.Generator().manual_seed(11)
     r = lambda n: torch.randint(0, 1024, (n,), generator=g).tolist()  # noqa: E731
@@ -71,8 +72,8 @@ def test_fork_scorer_divergences_match_float64(setup):
 
     pol, hf = setup
     reqs = _requests()
-    plain = ForkScorer(pol.packed_logprobs, 4096, temperature=T).score(reqs)
-    with_div = ForkScorer(pol.packed_logprobs, 4096, temperature=T, divergence_topk=5).score(reqs)
+    plain = score_requests(ForkScorer(pol.packed_logprobs, 4096, temperature=T), reqs)
+    with_div = score_requests(ForkScorer(pol.packed_logprobs, 4096, temperature=T, divergence_topk=5), reqs)
     for a, b, req in zip(plain, with_div, reqs):
         # the same log-probs (not always bit for bit: CPU GEMM paths depend on buffer alignment, which the extra
         # tensors move; algo.delta=sampled never builds them, see test_sampled_scorer_calls_the_model_as_before)
@@ -117,9 +118,9 @@ def test_sampled_scorer_calls_the_model_as_before(setup):
     from dataclasses import replace
     assert divergence_topk(replace(pol.cfg.algo, delta="sampled")) is None
     assert divergence_topk(replace(pol.cfg.algo, delta="topk_kl")) == pol.cfg.algo.delta_topk
-    res = ForkScorer(recording, 4096, temperature=T).score(_requests())
+    res = score_requests(ForkScorer(recording, 4096, temperature=T), _requests())
     assert calls == [["temperature"]] and all(r.divergence == {} for r in res)
-    ForkScorer(recording, 4096, temperature=T, divergence_topk=3).score(_requests())
+    score_requests(ForkScorer(recording, 4096, temperature=T, divergence_topk=3), _requests())
     assert calls[1] == ["pairs", "temperature", "topk"]
 
 
@@ -132,7 +133,7 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
 
     pol, hf = setup
     reqs = _requests()
-    res = ForkScorer(pol.packed_logprobs, 4096, temperature=T, divergence_topk=0).score(reqs)
+    res = score_requests(ForkScorer(pol.packed_logprobs, 4096, temperature=T, divergence_topk=0), reqs)
     lam = 0.5
     cfg = load_config(CONFIG, ["scoring.scorer=fork", "algo.delta=full_kl", "algo.mode=no_routing",
                                                 f"algo.lambda_episode={lam}", f"algo.lambda_step={lam}"])

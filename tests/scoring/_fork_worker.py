@@ -44,7 +44,7 @@ def run_rank(out_path: str):
     from opid_mega.megatron.logprobs import PackedBatch, Sample, compute_logprobs
     from opid_mega.megatron.model import build_model, transformer_config
     from opid_mega.scoring.fork_scorer import ForkScorer
-    from opid_mega.scoring.scorer import NaiveScorer
+    from opid_mega.scoring.scorer import NaiveScorer, score_requests
 
     hf = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
@@ -66,9 +66,9 @@ def run_rank(out_path: str):
         for placement, additive, temp in cases:
             rng = random.Random(11 + tp * 10 + pp + additive)
             reqs = make_requests(rng, hf.vocab_size, placement, additive)
-            naive = NaiveScorer(naive_fn, temperature=temp).score(reqs)
+            naive = score_requests(NaiveScorer(naive_fn, temperature=temp), reqs)
             fork_scorer = ForkScorer(packed_fn, max_tokens=96, temperature=temp)
-            fork = fork_scorer.score(reqs)
+            fork = score_requests(fork_scorer, reqs)
             diff = size = 0.0  # max |naive - fork| and the largest |log-prob| compared (the test scales by it)
             for a, b in zip(naive, fork):
                 assert a.orig.shape == b.orig.shape and set(a.skill) == set(b.skill)
@@ -83,7 +83,7 @@ def run_rank(out_path: str):
                             "shared_fraction": fork_scorer.last_shared_fraction,
                             "n_values": sum(r.orig.numel() for r in naive)}
             if temp != 1.0:  # the temperature really reaches the model: T=1 gives other numbers
-                plain = NaiveScorer(naive_fn, temperature=1.0).score(reqs)
+                plain = score_requests(NaiveScorer(naive_fn, temperature=1.0), reqs)
                 results[key]["temperature_effect"] = max((a.orig - b.orig).abs().max().item()
                                                          for a, b in zip(naive, plain))
         parallel.parallel_state.destroy_model_parallel()

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from opid_mega.config import load_config
-from opid_mega.experience import Experience, add_skills, advantage_records, fill_scores, metrics
+from opid_mega.experience import (Experience, add_skills, advantage_records, fill_scores, metrics,
+                                  scores_of_results)
+from opid_mega.batching.layout import csr_offsets
 from opid_mega.megatron.train_batches import TrainData
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 from opid_mega.scoring.scorer import ScoreResult
@@ -104,23 +106,25 @@ def test_skill_contexts_are_routed_fitted_and_audited_once(mode, placement):
     assert (kinds.count("episode"), kinds.count("step")) == ((3, 2) if mode != "grpo" else (0, 0))
     assert [(r["sample_id"], r["kind"], r["skill"]) for r in logged] == want_log
     assert all(r["stage"] == "scoring" and r["placement"] == placement for r in logged)
-    # the scorer's requests and the distillation teacher's contexts are views of the same columns
+    # the scorer's contexts and the distillation teacher's contexts are views of the same columns
     from opid_mega.megatron.train_batches import TrainData
-    from opid_mega.scoring.scorer import context_batch
 
     teacher = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens,
                         dict(old_logprobs=np.zeros(int(exp.resp_lens.sum())),
                              advantages=np.zeros(int(exp.resp_lens.sum()))), **exp.skill_columns()).contexts()
-    scored, _ = context_batch(exp.score_requests())
+    scored = exp.scoring_contexts()
     for ctx in (teacher, scored):
         got = [ctx.tokens[ctx.ctx_offsets[c]:ctx.ctx_offsets[c + 1]].tolist() for c in range(ctx.num_contexts)]
         assert got == [c for i, s in enumerate(exp.steps)
                        for c in [s.prompt_ids + s.response_ids,
                                  *(s.prompt_ids[:at] + sec + s.prompt_ids[at:] + s.response_ids
                                    for _, (at, sec) in sorted(want[i].items()))]]
-    for i, req in enumerate(exp.score_requests()):
-        s = exp.steps[i]
-        assert req.prompt_ids == s.prompt_ids and req.response_ids == s.response_ids and req.skills == want[i]
+    assert scored.sample_offsets.tolist() == csr_offsets([1 + len(w) for w in want]).tolist()
+    assert scored.resp_lens.tolist() == [len(s.response_ids) for i, s in enumerate(exp.steps) for _ in
+                                         range(1 + len(want[i]))]
+    plain = exp.scoring_contexts(skills=False)  # the reference stage: the original contexts only
+    assert plain.sample_offsets.tolist() == list(range(exp.num_samples + 1))
+    assert plain.tokens.tolist() == exp.tokens.tolist() and plain.resp_lens.tolist() == exp.resp_lens.tolist()
 
 
 def test_scores_fill_columns_and_the_policy_view_matches_the_sequences():
@@ -131,7 +135,7 @@ def test_scores_fill_columns_and_the_policy_view_matches_the_sequences():
         orig = -torch.rand(int(exp.resp_lens[i]), generator=g) - 0.05
         skill = {"episode": orig - torch.rand(orig.numel(), generator=g)} if i % 2 else {}
         results.append(ScoreResult(orig=orig, skill=skill))
-    fill_scores(exp, results)
+    fill_scores(exp, scores_of_results(exp, results))
     assert exp.old_logprobs.tolist() == torch.cat([r.orig for r in results]).tolist()
     assert exp.routed["episode"].tolist() == [bool(i % 2) for i in range(exp.num_samples)]
     assert not exp.routed["step"].any()
@@ -166,4 +170,52 @@ def test_a_result_of_the_wrong_length_names_its_sample():
     results[2] = dataclasses.replace(results[2], orig=torch.full((int(exp.resp_lens[2]) + 1,), -0.5))
     with pytest.raises(ValueError, match=f"original log-probs of step-sample 2 has {int(exp.resp_lens[2]) + 1} "
                                          f"values, its response {int(exp.resp_lens[2])} tokens"):
-        fill_scores(exp, results)
+        scores_of_results(exp, results)
+
+
+@pytest.mark.parametrize("delta", ["sampled", "full_kl"])
+def test_score_stage_fills_the_columns_from_the_scorers_flat_output(delta):
+    """experience.score: the scorer gets the record's contexts as one CSR batch and returns one flat array; the
+    columns (old log-probs, each kind's skill log-probs, routed masks, the divergence term) are what a per-sample
+    reading of that array gives, for a record with both kinds on one sample (no_routing) and samples without any."""
+    from opid_mega.experience import score
+    from opid_mega.scoring.scorer import Scores, per_sample, skill_context_index
+
+    exp = Experience.from_rollout(_batch(1), iteration=1, policy_version=0)
+    cfg = load_config(None, ["algo.mode=no_routing"]).algo
+    analyses = [Analysis("sum", "episode skill text", {0: "step zero"}), None,
+                Analysis("sum", "second episode skill", {2: "fix it"}), None]
+    add_skills(exp, analyses, cfg, lambda skill, kind: (skill, [7] * (2 + len(skill.split()))))
+    seen = {}
+
+    class Flat:  # a scorer whose every value names its context and token
+        def score(self, ctx):
+            seen["ctx"] = ctx
+            at = csr_offsets(ctx.resp_lens)
+            vals = np.concatenate([-(c + 1) - np.arange(n) / 100 for c, n in enumerate(ctx.resp_lens)])
+            skill = skill_context_index(ctx)
+            div = {"kl_orig_skill": np.concatenate([np.full(ctx.resp_lens[c], 0.5 * c) for c in skill]),
+                   "kl_skill_orig": np.zeros(int(ctx.resp_lens[skill].sum()))}
+            assert vals.size == at[-1]
+            return Scores(vals.astype(np.float32), div if delta != "sampled" else {}, tokens=123)
+
+    score(exp, Flat(), delta)
+    ctx = seen["ctx"]
+    kinds = [[None, *sorted(exp.contexts(s))] for s in range(exp.num_samples)]
+    assert any(len(k) == 3 for k in kinds) and any(len(k) == 1 for k in kinds)
+    results = per_sample(ctx, kinds, Flat().score(ctx))
+    assert exp.old_logprobs.tolist() == torch.cat([r.orig for r in results]).tolist()
+    for kind in ("episode", "step"):
+        assert exp.routed[kind].tolist() == [kind in r.skill for r in results]
+        want = torch.cat([r.skill.get(kind, r.orig) for r in results])
+        assert exp.skill_logprobs[kind].tolist() == want.tolist()
+        if delta == "full_kl":
+            kl = torch.cat([torch.full((int(n),), 0.5 * float(c0 + 1 + sorted(exp.contexts(s)).index(kind)))
+                            if kind in exp.contexts(s) else torch.zeros(int(n))
+                            for s, (n, c0) in enumerate(zip(exp.resp_lens, ctx.sample_offsets[:-1]))])
+            assert exp.divergence[kind].tolist() == pytest.approx(kl.tolist())
+    assert exp.scored_tokens == 123
+    with pytest.raises(ValueError, match="the scorer returned 1 log-probs"):
+        from opid_mega.experience import fill_scores as fill
+
+        fill(exp, Scores(np.zeros(1, np.float32)))

@@ -23,7 +23,7 @@ from opid_mega.experience import Experience, add_skills
 from opid_mega.megatron.train_batches import TrainData
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 from opid_mega.scoring.fork_scorer import ForkScorer
-from opid_mega.scoring.scorer import NaiveScorer, ScoreRequest, context_batch
+from opid_mega.scoring.scorer import NaiveScorer, ScoreRequest, context_batch, score_requests
 from opid_mega.skills.types import Analysis
 from tolerance import tolerance_for
 
@@ -133,7 +133,7 @@ def test_add_skills_cuts_what_the_reference_cuts(truncate):
             want.append(ref if truncate else full)
             cut += ref != full
     assert cut > 0  # the case is exercised
-    scored, _ = context_batch(exp.score_requests())
+    scored = exp.scoring_contexts()
     teacher = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens,
                         dict(old_logprobs=np.zeros(int(exp.resp_lens.sum())),
                              advantages=np.zeros(int(exp.resp_lens.sum()))), **exp.skill_columns())
@@ -235,9 +235,9 @@ def test_naive_and_fork_scorers_agree_on_truncated_contexts(seed, backend, monke
     reqs = _requests(seed, limit)
     assert sum(len(r.drop) for r in reqs) >= 2  # truncated contexts are present
     params = _params(seed)
-    naive = NaiveScorer(_naive_fn(params), temperature=0.7).score(reqs)
+    naive = score_requests(NaiveScorer(_naive_fn(params), temperature=0.7), reqs)
     fork = ForkScorer(_packed_fn(params), max_tokens=400, temperature=0.7)
-    got = fork.score(reqs)
+    got = score_requests(fork, reqs)
     # float64 reference: each context by hand (the reference's truncation) through the same toy model
     for r, a, b in zip(reqs, naive, got):
         for kind in [None, *sorted(r.skills)]:

@@ -3,7 +3,7 @@ naive scorer; skill_grpo puts skills into the rollout prompt and evaluates with 
 import pytest
 import torch
 
-from opid_mega.scoring.scorer import NaiveScorer, ScoreRequest
+from opid_mega.scoring.scorer import NaiveScorer, ScoreRequest, score_requests
 from opid_mega.skills.audit import read_audit
 from opid_mega.trainer import Trainer
 from tolerance import assert_close_scaled
@@ -31,8 +31,8 @@ def test_all_modes_and_scorers(tiny_cfg, tmp_path):
         prompt, ep, st = tr.loop.prompt_tokenizer.encode("Task line\nobs\n\nNow it's your turn to act.\n")
         reqs = [ScoreRequest(prompt, [40, 686, 34216, 151645], {"episode": (ep, sec)}),
                 ScoreRequest(prompt, [40, 12, 13], {"step": (st, sec), "episode": (ep, sec)})]
-        fork = tr.scorer.score(reqs)
-        naive = NaiveScorer(tr.policy.logprobs).score(reqs)
+        fork = score_requests(tr.scorer, reqs)
+        naive = score_requests(NaiveScorer(tr.policy.logprobs), reqs)
         for f, n in zip(fork, naive):
             assert_close_scaled(f.orig, n.orig, msg="orig")  # two fp32 paths: 1e-5 of the largest |log-prob|
             for k in n.skill:
