@@ -250,8 +250,8 @@ class AlgoConfig:
     skill_source: Literal["own", "shuffled"] = "own"
     # The skill term's bound (docs/algorithm.md "Stability"): in every GRPO group, Σ|λΔ| over its tokens is scaled
     # down to at most skill_share_cap x Σ|A_out|, so a group whose scores all tie (A_out = 0) trains on no skill term
-    # and no optimizer step is driven by λΔ alone. null: no bound (the reference; the paper configs).
-    skill_share_cap: Optional[float] = None
+    # and no optimizer step is driven by λΔ alone. null: no bound (the reference; the paper configs keep it).
+    skill_share_cap: Optional[float] = 1.0
     # The advantage and policy-loss functions, as import paths "package.module:function" (docs/custom_algo.md):
     # advantage_fn(exp, algo_cfg) fills exp.a_out and exp.token_advantages of the iteration's record; loss_fn is
     # called like opid_mega.algo.ppo_policy_loss by the Megatron loss on every rank. The defaults are the built-ins.

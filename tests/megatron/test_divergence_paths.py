@@ -136,7 +136,8 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
     res = score_requests(ForkScorer(pol.packed_logprobs, 4096, temperature=T, divergence_topk=0), reqs)
     lam = 0.5
     cfg = load_config(CONFIG, ["scoring.scorer=fork", "algo.delta=full_kl", "algo.mode=no_routing",
-                                                f"algo.lambda_episode={lam}", f"algo.lambda_step={lam}"])
+                               "algo.skill_share_cap=null",  # one tied group: the uncapped term is the one checked
+                               f"algo.lambda_episode={lam}", f"algo.lambda_step={lam}"])
     adv = compute_advantages(cfg.algo, res, [1.0] * 4, [False] * 4, [0] * 4)
     off = np.concatenate([[0], np.cumsum(adv.resp_lens)])
     for i, req in enumerate(reqs):

@@ -95,14 +95,16 @@ def test_advantages_reject_misaligned_skill_logprobs():
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_skill_share_cap_drops_the_skill_term_of_a_tied_group(backend):
-    """algo.skill_share_cap: a group whose scores all tie trains on nothing (no λΔ-only update); in the others the
-    skill term's mass is at most cap x the outcome term's; cap null is the reference (λΔ everywhere)."""
+    """algo.skill_share_cap (default 1.0): a group whose scores all tie trains on nothing (no λΔ-only update); in the
+    others the skill term's mass is at most cap x the outcome term's; cap null is the reference (λΔ everywhere)."""
+    assert load_config(None, []).algo.skill_share_cap == 1.0
     scored, rewards, invalid, groups = _batch(5)
     for i, g in enumerate(groups):  # group 0 ties: every sample 0 and valid
         if g == 0:
             rewards[i], invalid[i] = 0.0, False
     base = ["algo.mode=opid", "algo.lambda_episode=0.3", "algo.lambda_step=0.7"]
-    free = compute_advantages(load_config(None, base).algo, scored, rewards, invalid, groups, backend=backend)
+    free = compute_advantages(load_config(None, base + ["algo.skill_share_cap=null"]).algo, scored, rewards, invalid,
+                              groups, backend=backend)
     capped = compute_advantages(load_config(None, base + ["algo.skill_share_cap=0.2"]).algo, scored, rewards,
                                 invalid, groups, backend=backend)
     rows_free, rows_cap = _rows(free), _rows(capped)

@@ -33,7 +33,7 @@ class _Garbage(BaseHTTPRequestHandler):
 @pytest.mark.slow
 def test_step0_invariants_and_analyzer_failures(tiny_cfg, tmp_path):
     port = closed_port()
-    cfg = tiny_cfg("analyzer.max_retries=0", "analyzer.timeout_s=5")
+    cfg = tiny_cfg("analyzer.max_retries=0", "analyzer.timeout_s=5", "algo.skill_share_cap=null")  # ties: skill term kept
     tr = Trainer(cfg, str(tmp_path))  # (an analyzer.base_url that is down would be refused by the start-up probe)
     try:
         # the endpoint goes down after the start: every analysis of the iteration fails

@@ -52,7 +52,8 @@ def test_long_and_poisoned_skills_are_cut_and_every_fork_group_is_scored(tiny_cf
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _LongSkills)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     cfg = tiny_cfg("analyzer.backend=llm", f"analyzer.base_url=http://127.0.0.1:{srv.server_address[1]}/v1",
-                   "analyzer.model=m", "analyzer.max_retries=0", "analyzer.timeout_s=60", "scoring.scorer=fork")
+                   "analyzer.model=m", "analyzer.max_retries=0", "analyzer.timeout_s=60", "scoring.scorer=fork",
+                   "algo.skill_share_cap=null")  # a tied group keeps its skill term: the one checked here
     tr = Trainer(cfg, str(tmp_path))
     try:
         count = lambda s: len(tr.encode_text(s))  # noqa: E731 - the policy tokenizer
