@@ -12,7 +12,8 @@ dtype.
 Tiles: on a GPU the kernel is autotuned over CONFIGS (BLOCK_M query rows x BLOCK_N keys, warps, pipeline stages;
 keyed by head dim, GQA group and the power-of-two bucket of the longest group), pruned by input width: fp32 tiles
 are twice as large, so their key blocks stay <= 64 with at most 2 stages (shared memory of an A100: 164 KB, H100 /
-H200: 228 KB, head_dim up to 128). The interpreter runs the module's BLOCK_M / BLOCK_N (tests shrink them).
+H200: 228 KB, head_dim up to 128). The interpreter runs the module's BLOCK_M / BLOCK_N (tests shrink them); so
+does the GPU with AUTOTUNE = False (the kernel tests).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 # GPU configurations: (BLOCK_M, BLOCK_N, warps, stages)
-CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2),
-           (128, 32, 8, 2)]
+CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 4, 2)]
+AUTOTUNE = True  # False: the GPU runs BLOCK_M / BLOCK_N too (the kernel tests)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -139,8 +140,8 @@ _fork_attn_fwd_tuned = None if INTERPRETED else triton.autotune(
 
 def tiles() -> tuple:
     """(BLOCK_M, BLOCK_N) of the last launch: the autotuner's choice on a GPU (the module's BLOCK_M / BLOCK_N under
-    the interpreter and before any launch)."""
-    best = getattr(_fork_attn_fwd_tuned, "best_config", None)
+    the interpreter, with AUTOTUNE off and before any launch)."""
+    best = getattr(_fork_attn_fwd_tuned, "best_config", None) if AUTOTUNE else None
     return (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"]) if best is not None else (BLOCK_M, BLOCK_N)
 
 
@@ -163,7 +164,7 @@ def fork_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, 
             out.stride(0), out.stride(1), d, hq // hkv, scale * 1.4426950408889634,
             triton.next_power_of_2(meta.max_seqlen))
     consts = dict(BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
-    if INTERPRETED:
+    if INTERPRETED or not AUTOTUNE:
         _fork_attn_fwd_kernel[(triton.cdiv(meta.max_seqlen, BLOCK_M), num_groups, hq)](
             *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **consts)
     else:

@@ -33,7 +33,8 @@ d loss / d logits by T (chain rule of l / T); T = 1 compiles without either op.
 
 Autotuning: on a GPU the two epilogue kernels are `triton.autotune`d over CONFIGS (keyed by the power-of-two bucket
 of the row count, so a new micro-batch size re-tunes at most once per bucket); under the CPU interpreter (which has
-no timer) they run the one configuration of the module attributes BLOCK_N / BLOCK_V, which tests shrink.
+no timer) they run the one configuration of the module attributes BLOCK_N / BLOCK_V, which tests shrink (the GPU
+too with AUTOTUNE = False: the kernel tests, which need one compile per flag combination, not a tuning run).
 """
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ BLOCK_V = 128
 SPLIT = 2048  # columns of a chunk one stats program reduces (its partials are merged with the others at the end)
 N_STATS = 4   # m, s, u, t
 
-# GPU configurations (BLOCK_N rows x BLOCK_V columns per step, warps, stages): memory-bound passes over fp32 tiles
-CONFIGS = [(4, 1024, 8, 2), (8, 512, 8, 2), (8, 256, 4, 3), (16, 256, 4, 2), (16, 512, 8, 3), (32, 128, 4, 2),
-           (32, 256, 8, 2), (64, 128, 8, 1)]
+# GPU configurations (BLOCK_N rows x BLOCK_V columns per step, warps, stages): memory-bound passes over fp32 tiles;
+# few, since every one is compiled for every flag combination the first time a process launches it
+CONFIGS = [(4, 1024, 8, 2), (8, 512, 8, 3), (16, 256, 4, 2), (32, 128, 4, 2)]
+AUTOTUNE = True  # False: the GPU runs BLOCK_N / BLOCK_V too (the kernel tests: one compile per flag combination)
 
 
 def _configs():
@@ -151,10 +153,10 @@ _grad_tuned = autotuned(_grad_kernel)
 
 def launch(kernel, tuned, blocks: tuple, grid_cols, n: int, *args, **constexprs):
     """Launch an epilogue kernel over n rows: `tuned` (its autotuned wrapper) on a GPU, `kernel` with `blocks` =
-    (BLOCK_N, BLOCK_V), the calling module's one configuration, under the interpreter. grid_cols: programs along the
+    (BLOCK_N, BLOCK_V), the calling module's one configuration, under the interpreter (or AUTOTUNE False). grid_cols: programs along the
     columns, or a function of BLOCK_V giving them. The rows' power-of-two bucket is the last argument (the key)."""
     bucket = triton.next_power_of_2(max(n, 1))
-    if INTERPRETED:
+    if INTERPRETED or not AUTOTUNE:
         block_n, block_v = blocks
         cols = grid_cols(block_v) if callable(grid_cols) else grid_cols
         kernel[(triton.cdiv(n, block_n), cols)](*args, bucket, BLOCK_N=block_n, BLOCK_V=block_v, **constexprs)

@@ -35,6 +35,18 @@ def small_tiles(shrink_tiles):
 
 
 @pytest.fixture(autouse=True)
+def _fixed_tiles(request, monkeypatch):
+    """On a GPU the kernels run the modules' fixed tiles (one compile per flag combination, no tuning run); a test
+    marked `autotune` keeps the autotuner."""
+    if ON_GPU and request.node.get_closest_marker("autotune") is None:
+        import opid_mega.kernels.fork_attention_triton as ft
+        import opid_mega.kernels.logprob_triton as lt
+
+        monkeypatch.setattr(lt, "AUTOTUNE", False)
+        monkeypatch.setattr(ft, "AUTOTUNE", False)
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Kernel tests use tiny shapes: one intra-op thread avoids OpenMP spin-wait stalls on a loaded shared CPU."""
     before = torch.get_num_threads()

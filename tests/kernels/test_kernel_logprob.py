@@ -172,6 +172,31 @@ def test_triton_logprob_only_and_single_row(small_tiles, device):
         _check_against_reference(hidden, weight, targets, backend="triton", entropy=False, tol_grad=2e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.autotune
+@pytest.mark.skipif(not ON_GPU, reason="the autotuner runs on a GPU only (the interpreter has no timer)")
+def test_autotuned_heads_and_fork_attention_match_the_reference(device):
+    """With the autotuner on (the kernels' production path), at a shape where the tuned tiles differ from the
+    fixed ones: the log-prob head, the divergence head and fork attention still match their float64 references."""
+    from opid_mega.kernels import divergence_reference, dual_context_divergence, fork_attention
+    from opid_mega.kernels.fork_attention import fork_attention_reference
+
+    hidden, weight, targets = _inputs(300, 64, 3000, torch.bfloat16, device, seed=23)
+    _check_against_reference(hidden, weight, targets, backend="triton", entropy=True, chunk_size=1024, tol_val=2e-5,
+                             tol_grad=2e-2)
+    out = dual_context_divergence(hidden.flip(0), hidden, weight, targets, topk=8, backend="triton", chunk_size=1024)
+    ref = divergence_reference(hidden.flip(0).cpu(), hidden.cpu(), weight.cpu(), targets.cpu(), topk=8)
+    scale = float(ref["logp_orig"].abs().max())
+    for k in ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill", "topk_logp_skill"):
+        assert_close_scaled(out[k], ref[k], rel=2e-5, scale=scale, msg=k)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(700, h, 64, generator=g).to(torch.bfloat16).to(device) for h in (8, 2, 2))
+    cu = torch.tensor([0, 400, 700], dtype=torch.int32, device=device)
+    bid = torch.tensor([0] * 200 + [1] * 120 + [2] * 80 + [0] * 100 + [1] * 200, dtype=torch.int32, device=device)
+    assert_close_scaled(fork_attention(q, k, v, cu, bid, backend="triton"),
+                        fork_attention_reference(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), bid.cpu()), rel=2 * 2 ** -7)
+
+
 @pytest.mark.skipif(ON_GPU, reason="CPU-interpreter dispatch check")
 def test_auto_backend_uses_triton_under_interpreter(small_tiles, monkeypatch):
     import opid_mega.kernels.logprob_triton as lt
