@@ -45,24 +45,28 @@ def quantiles(x: np.ndarray, prefix: str) -> dict:
     return out
 
 
-def _run_lambdas(path: str, lam) -> dict:
-    """λ per skill kind: `lam` when given, else algo.lambda_episode / lambda_step of the run's config.yaml."""
-    if lam is not None:
-        return {"episode": float(lam), "step": float(lam)}
+def _run_config(path: str) -> dict:
+    """The run's config.yaml beside its advantages file ({} when there is none)."""
     cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.yaml")
     if not os.path.exists(cfg):
-        raise ValueError(f"delta_noise: no config.yaml beside {path} to read λ from; give --lam")
+        return {}
     import yaml
 
     with open(cfg) as f:
-        algo = (yaml.safe_load(f) or {}).get("algo", {})
-    return {"episode": float(algo["lambda_episode"]), "step": float(algo["lambda_step"])}
+        return yaml.safe_load(f) or {}
 
 
 def signal(path: str, lam=None) -> dict:
     """|λΔ| of a run's dumped advantages (one JSON record per step-sample with `delta`: {kind: [Δ per token]}): its
-    quantiles over every skill token, λ per kind, and the values (sorted, for `buried`)."""
-    lams = _run_lambdas(path, lam)
+    quantiles over every skill token, λ per kind (`lam`, else algo.lambda_episode / lambda_step of the run's
+    config.yaml), the run's env and model, and the values (sorted, for `buried`)."""
+    cfg = _run_config(path)
+    if lam is not None:
+        lams = {"episode": float(lam), "step": float(lam)}
+    elif cfg.get("algo"):
+        lams = {"episode": float(cfg["algo"]["lambda_episode"]), "step": float(cfg["algo"]["lambda_step"])}
+    else:
+        raise ValueError(f"delta_noise: no config.yaml beside {path} to read λ from; give --lam")
     vals, iterations, samples = [], set(), 0
     with open(path) as f:
         for line in f:
@@ -74,8 +78,10 @@ def signal(path: str, lam=None) -> dict:
     if not vals:
         raise ValueError(f"delta_noise: {path} holds no skill Δ (no `delta` in its records)")
     v = np.sort(np.concatenate(vals))
-    return {"source": os.path.abspath(path), "lambda": lams, "iterations": len(iterations), "step_samples": samples,
-            "tokens": int(v.size), **quantiles(v, "lambda_delta"), "_sorted": v}
+    model = cfg.get("model", {})
+    return {"env": cfg.get("env", {}).get("name"), "model": model.get("builtin") or model.get("path"),
+            "model_dtype": model.get("dtype"), "lambda": lams, "iterations": len(iterations),
+            "step_samples": samples, "tokens": int(v.size), **quantiles(v, "lambda_delta"), "_sorted": v}
 
 
 def buried(sig: dict, lam: float, noise_p99: float) -> dict:
@@ -165,8 +171,9 @@ def delta_noise_cases(preset: Preset, device: torch.device, compile_peers: bool 
         extra = {"placement": PLACEMENT, "delta_float64": quantiles(d64, "delta"), "logprob_scale": scale}
         if sig is not None:
             extra["signal"] = {k: v for k, v in sig.items() if k != "_sorted"}
-            notes.append(f"the run's |λΔ| ({sig['tokens']} skill tokens of {sig['step_samples']} step-samples, "
-                         f"{sig['iterations']} iterations, λ {sig['lambda']}): " + _fmt_q(extra["signal"]) +
+            notes.append(f"the run's |λΔ| ({sig['env']}, {sig['model']} in {sig['model_dtype']}: {sig['tokens']} skill "
+                         f"tokens of {sig['step_samples']} step-samples, {sig['iterations']} iterations, λ "
+                         f"{sig['lambda']}): " + _fmt_q(extra["signal"]) +
                          "; buried_*: its tokens (and their share of Σ|λΔ|) at or below λ x a row's noise p99")
         cases.append(Case(f"Δ {dtype_name}", dict(shape, samples=len(reqs), tokens=int(d64.size)), dtype_name, 0,
                           methods, error, extra=dict(extra, notes=notes)))
