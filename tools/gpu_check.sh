@@ -22,9 +22,10 @@
 #   ppo_step        one bf16 PPO step of the trainer's Policy (training attention through the model: the varlen path)
 #   local_engine    the local rollout engine, and its and the trainer's log-probs against an fp32 reference
 # Every opid-bench table comes from this one run, 5 timed repeats per row (median, min, max); they come back as
-# bench.tar.gz, one folder named by the GPU (gpu_h100, gpu_h200; else gpu) of opid-bench JSONs, OP_PRESET.json:
-#   tar xzf bench.tar.gz -C docs/bench && opid-bench report docs/bench/gpu_h200 --markdown docs/performance.md
-# The summary states the issue's GPU targets as met or not (`targets`).
+# bench.tar.gz, the folder gpu/ of opid-bench JSONs, OP_PRESET.json (their titles name the GPU):
+#   rm -rf docs/bench/gpu && tar xzf bench.tar.gz -C docs/bench
+#   opid-bench report docs/bench/gpu --markdown docs/performance.md
+# The summary states the fused heads' GPU targets (docs/performance.md) as met or not (`targets`).
 # The package runs from this checkout (PYTHONPATH; kernels/ appears as opid_mega.kernels as setup.py maps it), so
 # every stage is independent of the install: a stage that fails never takes a later one with it. A stage whose
 # Python packages (or the Qwen3 tokenizer) are missing is `skipped` with the reason, never a failure. Output in $OUT
@@ -140,13 +141,8 @@ if [ $DRY -eq 0 ] && [ -f "$WORK/env.json" ] && ! "$PY" -c 'import json, sys
 sys.exit(0 if json.load(open(sys.argv[1])).get("cuda_available") else 1)' "$WORK/env.json" 2> /dev/null; then
   NO_DEVICE="no CUDA device (see the env stage)"
 fi
-# the folder of this run's opid-bench JSONs, named by the GPU (docs/bench/<name>)
-RUN=dry_run
-if [ $DRY -eq 0 ]; then
-  RUN="$("$PY" -c 'import json, re, sys
-m = re.search(r"\b([ABHL]\d{2,3})\b", json.load(open(sys.argv[1])).get("device") or "")
-print("gpu_" + m.group(1).lower() if m else "gpu")' "$WORK/env.json" 2> /dev/null || echo gpu)"
-fi
+# the folder of this run's opid-bench JSONs (docs/bench/gpu)
+RUN=$([ $DRY -eq 1 ] && echo dry_run || echo gpu)
 mkdir -p "$WORK/$RUN"
 export RUN
 

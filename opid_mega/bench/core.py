@@ -186,14 +186,16 @@ class PeakMeter:
         import tracemalloc
         from torch.profiler import ProfilerActivity, profile
 
+        # the profiler outside tracemalloc's window: its own Python objects (the event tree it builds at exit) are
+        # not the call's
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
         self._tracing = tracemalloc.is_tracing()
         if not self._tracing:
             tracemalloc.start()
         tracemalloc.reset_peak()
         self.before = tracemalloc.get_traced_memory()[0]
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
-            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -203,11 +205,11 @@ class PeakMeter:
             return False
         import tracemalloc
 
-        with _quiet_stderr():
-            self._prof.__exit__(*exc)
         python_peak = tracemalloc.get_traced_memory()[1] - self.before
         if not self._tracing:
             tracemalloc.stop()
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         self.peak = _cpu_allocator_peak(self._prof) + max(0, python_peak)
         return False
 
