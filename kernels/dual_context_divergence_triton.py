@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .dual_context_divergence import _merge_topk
 from .logprob import triton_chunk_columns
-from .logprob_triton import autotuned, check_inputs, chunks_of, kept_chunks, launch, mm_fp32
+from .logprob_triton import autotuned, check_inputs, chunk_pass, chunks_of, kept_chunks, launch, mm_fp32, slots_of
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -169,28 +169,22 @@ def local_partials(h_skill, h_orig, weight, targets_local, topk: int, temperatur
     dev = h_orig.device
     both = torch.cat([h_skill, h_orig])  # [2N, H]: one GEMM per chunk for both contexts
     chunks = chunks_of(v, chunk_size or triton_chunk_columns(2 * n, v))
-    splits = [triton.cdiv(c, SPLIT) for _, c in chunks]
-    parts = torch.empty(N_STATS, max(1, sum(splits)), n, device=dev, dtype=torch.float32)
+    parts = torch.empty(N_STATS, slots_of(chunks, SPLIT), n, device=dev, dtype=torch.float32)
     tg = targets_local.contiguous()
     scaled = float(temperature) != 1.0
     tk = (torch.empty(n, 0, device=dev), torch.empty(n, 0, dtype=torch.long, device=dev), torch.empty(n, 0, device=dev))
     kept = {}
-    slot = 0
-    for i, ((c0, c), sp) in enumerate(zip(chunks, splits)):
-        logits = mm_fp32(both, weight[c0:c0 + c].t())
+    for c0, c, slot, splits, logits in chunk_pass(both, weight, chunks, SPLIT, keep, kept):
         if n:
-            launch(_stats_kernel, _stats_tuned, (BLOCK_N, BLOCK_V), sp, n, logits, tg, parts, n, c, logits.stride(0),
-                   c0, slot, parts.stride(0), float(temperature), SPLIT=SPLIT, SCALED=scaled)
+            launch(_stats_kernel, _stats_tuned, (BLOCK_N, BLOCK_V), splits, n, logits, tg, parts, n, c,
+                   logits.stride(0), c0, slot, parts.stride(0), float(temperature), SPLIT=SPLIT, SCALED=scaled)
         if topk > 0 and n:
             vals, ids = logits[:n].topk(min(topk, c), dim=1)
             bvals = logits[n:].gather(1, ids)
             if scaled:
                 vals, bvals = vals / temperature, bvals / temperature
             tk = _merge_topk(*tk, vals, ids + c0, bvals, topk)
-        if i >= len(chunks) - keep:
-            kept[c0] = logits
-        slot += sp
-    out = _merge(parts[:, :slot])
+    out = _merge(parts[:, :slots_of(chunks, SPLIT)])
     out.update(found=(targets_local >= 0) & (targets_local < v), topk=tk if topk > 0 else None)
     return out, kept
 

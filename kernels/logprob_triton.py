@@ -202,6 +202,25 @@ def kept_chunks(chunks: list, rows: int, saved_bytes: Optional[int]) -> int:
     return max(0, min(len(chunks), int(saved_bytes) // max(1, rows * chunks[0][1] * 4)))
 
 
+def chunk_pass(rows: torch.Tensor, weight: torch.Tensor, chunks: list, split: int, keep: int, kept: dict):
+    """The forward's chunk loop, shared with the divergence head: yields (c0, c, slot, splits, logits) per chunk, the
+    fp32 logits of `rows` against the chunk's weight rows (one GEMM) and the first partials slot of its `splits`
+    column splits of `split` columns; the last `keep` chunks' logits go into `kept` ({c0: logits})."""
+    slot = 0
+    for i, (c0, c) in enumerate(chunks):
+        logits = mm_fp32(rows, weight[c0:c0 + c].t())
+        splits = triton.cdiv(c, split)
+        yield c0, c, slot, splits, logits
+        if i >= len(chunks) - keep:
+            kept[c0] = logits
+        slot += splits
+
+
+def slots_of(chunks: list, split: int) -> int:
+    """Partials slots of the chunks' column splits (at least one)."""
+    return max(1, sum(triton.cdiv(c, split) for _, c in chunks))
+
+
 def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor, with_entropy: bool,
                    temperature: float = 1.0, chunk_size: Optional[int] = None, keep: int = 0):
     """Per-row partials (m, s, u, t, found) over this shard of logits / temperature, as logprob._local_partials_torch,
@@ -209,25 +228,18 @@ def local_partials(hidden: torch.Tensor, weight: torch.Tensor, targets_local: to
     check_inputs("fused_logprobs", hidden, weight)
     n = hidden.shape[0]
     v = weight.shape[0]
-    cols = chunk_size or triton_chunk_columns(n, v)
-    chunks = chunks_of(v, cols)
-    splits = [triton.cdiv(c, SPLIT) for _, c in chunks]
-    parts = torch.empty(N_STATS, max(1, sum(splits)), n, device=hidden.device, dtype=torch.float32)
+    chunks = chunks_of(v, chunk_size or triton_chunk_columns(n, v))
+    parts = torch.empty(N_STATS, slots_of(chunks, SPLIT), n, device=hidden.device, dtype=torch.float32)
     if not with_entropy:
         parts[2].zero_()
     tg = targets_local.contiguous()
     kept = {}
-    slot = 0
-    for i, ((c0, c), sp) in enumerate(zip(chunks, splits)):
-        logits = mm_fp32(hidden, weight[c0:c0 + c].t())
+    for c0, c, slot, splits, logits in chunk_pass(hidden, weight, chunks, SPLIT, keep, kept):
         if n:
-            launch(_stats_kernel, _stats_tuned, (BLOCK_N, BLOCK_V), sp, n, logits, tg, parts, n, c, logits.stride(0),
-                   c0, slot, parts.stride(0), float(temperature), SPLIT=SPLIT, WITH_ENT=with_entropy,
-                   SCALED=float(temperature) != 1.0)
-        if i >= len(chunks) - keep:
-            kept[c0] = logits
-        slot += sp
-    m, s, u, t = merge_partials(*parts[:, :slot])
+            launch(_stats_kernel, _stats_tuned, (BLOCK_N, BLOCK_V), splits, n, logits, tg, parts, n, c,
+                   logits.stride(0), c0, slot, parts.stride(0), float(temperature), SPLIT=SPLIT,
+                   WITH_ENT=with_entropy, SCALED=float(temperature) != 1.0)
+    m, s, u, t = merge_partials(*parts[:, :slots_of(chunks, SPLIT)])
     return m, s, u, t, (targets_local >= 0) & (targets_local < v), kept
 
 
