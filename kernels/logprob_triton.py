@@ -153,8 +153,9 @@ _grad_tuned = autotuned(_grad_kernel)
 
 def launch(kernel, tuned, blocks: tuple, grid_cols, n: int, *args, **constexprs):
     """Launch an epilogue kernel over n rows: `tuned` (its autotuned wrapper) on a GPU, `kernel` with `blocks` =
-    (BLOCK_N, BLOCK_V), the calling module's one configuration, under the interpreter (or AUTOTUNE False). grid_cols: programs along the
-    columns, or a function of BLOCK_V giving them. The rows' power-of-two bucket is the last argument (the key)."""
+    (BLOCK_N, BLOCK_V), the calling module's one configuration, under the interpreter (or AUTOTUNE False).
+    grid_cols: programs along the columns, or a function of BLOCK_V giving them. The rows' power-of-two bucket is
+    the last argument (the key)."""
     bucket = triton.next_power_of_2(max(n, 1))
     if INTERPRETED or not AUTOTUNE:
         block_n, block_v = blocks

@@ -156,18 +156,42 @@ def test_only_the_selected_stages_run(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["bench.tar.gz", "stages.log", "summary.json"]
 
 
+def _model_stages():
+    import importlib.util
+
+    path = os.path.join(ROOT, "tools", "gpu_model_stages.py")
+    spec = importlib.util.spec_from_file_location("gpu_model_stages", path)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    return stages
+
+
+def test_the_ppo_step_counts_the_head_on_the_scored_rows_only():
+    """Model FLOPs of a PPO step: 3 x the forward, every token through the layers (linear layers, causal attention),
+    the LM head on the response rows only -- not 6 x all parameters x all tokens."""
+    stages = _model_stages()
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    S, P, R, V = 3, 20, 5, stages.VOCAB
+    h, f, L, hq, hkv, d = 64, 128, 2, 4, 2, 16
+    linear = L * (2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h + 6 * h * f)
+    n = P + R
+    forward = S * (linear * n + L * 4 * hq * d * n * (n + 1) // 2) + 2 * h * V * S * R
+    assert stages.ppo_flops(shape, S, P, R) == 3 * forward
+    # the head on every token would add 2 x 3 x h x V x S x P: the prompt rows are never scored
+    assert stages.ppo_flops(shape, S, P + 10, R) - stages.ppo_flops(shape, S, P, R) < 2 * 3 * h * V * S * 10
+    big = stages.SIZES["gpu"][0]
+    params = 697_077_760  # the GPU check's random Qwen3 (tied embeddings)
+    assert stages.ppo_flops(big, 16, 512, 256) < 0.75 * 6 * params * 16 * (512 + 256)
+
+
 def test_the_check_s_random_bf16_model_keeps_exact_rope_frequencies():
     """Qwen3ForCausalLM(config).to(bf16) rounds the rotary inv_freq buffer to bf16 (HF's from_pretrained(dtype=...)
     keeps it fp32): the engine and the reference built from such a model would both carry a position-growing phase
     error the trainer's exact RoPE has not, and the engine stage would report that as the trainer's error."""
-    import importlib.util
-
     import torch
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("gpu_model_stages", os.path.join(root, "tools", "gpu_model_stages.py"))
-    stages = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stages)
+    stages = _model_stages()
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
     model = stages.random_qwen3(shape, "bfloat16")

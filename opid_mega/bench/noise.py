@@ -109,12 +109,17 @@ def _arrangements(chunks, reqs: list, empty: list, one: int) -> list:
 
     naive, fork = scorers(chunks, one * len(reqs) + 1)
     _, fork_each = scorers(chunks, one)
-    return [("fork, one micro-batch", "ours", lambda: fork.score(reqs), "none"),
-            ("fork, one step-sample per micro-batch", "ours", lambda: fork_each.score(reqs), "ref"),
-            ("fork, reversed order", "ours", lambda: fork.score(reqs[::-1])[::-1], "ref"),
-            ("two-pass naive scorer", "peer", lambda: naive.score(reqs), "ref"),
-            ("fork, empty skill", "ours", lambda: fork.score(empty), "zero"),
-            ("two-pass, empty skill", "peer", lambda: naive.score(empty), "zero")]
+    return [("fork, one micro-batch", "ours", lambda: _score(fork, reqs), "none"),
+            ("fork, one step-sample per micro-batch", "ours", lambda: _score(fork_each, reqs), "ref"),
+            ("fork, reversed order", "ours", lambda: _score(fork, reqs[::-1])[::-1], "ref"),
+            ("two-pass naive scorer", "peer", lambda: _score(naive, reqs), "ref"),
+            ("fork, empty skill", "ours", lambda: _score(fork, empty), "zero"),
+            ("two-pass, empty skill", "peer", lambda: _score(naive, empty), "zero")]
+
+
+def _score(scorer, requests: list) -> list:
+    """One ScoreResult per request."""
+    return scorer.score(requests)
 
 
 def delta_noise_cases(preset: Preset, device: torch.device, compile_peers: bool = True, advantages: str = None,
