@@ -18,9 +18,10 @@ Vocabulary parallel: each rank reduces its shard to (m_s, m_o) and (S_s, A, S_o,
 all-reduce of the maxima and one SUM all-reduce of the rescaled rest over `tp_group`, as in `logprob.py`. Top-k:
 each rank's top-k is all-gathered and merged.
 
-Gradients (backward recomputes both logits chunk by chunk): the skill side is stop-gradient (teacher), so
-`logp_orig`, `kl_skill_orig` and `kl_orig_skill` are differentiable w.r.t. `h_orig` and the weight THROUGH b ONLY;
-`logp_skill` and the top-k outputs are not differentiable. With p = p_o, q = p_s, r_v = log p_v - log q_v:
+Gradients (the backward works chunk by chunk, recomputing the logits the forward did not keep): the skill side is
+stop-gradient (teacher), so `logp_orig`, `kl_skill_orig` and `kl_orig_skill` are differentiable w.r.t. `h_orig` and
+the weight THROUGH b ONLY; `logp_skill` and the top-k outputs are not differentiable. With p = p_o, q = p_s,
+r_v = log p_v - log q_v:
 
     d logp_orig / d b_v      = 1[v = y] - p_v
     d KL(q || p) / d b_v     = p_v - q_v
@@ -29,10 +30,11 @@ Gradients (backward recomputes both logits chunk by chunk): the skill side is st
 then a 1/T factor (logits / T). The hidden-state gradient is all-reduced over TP (replicated input); the weight
 gradient stays on its shard. KL values are not clamped: rounding can give -1e-7 for identical contexts.
 
-Backends: "torch" = chunked over the vocabulary (CPU path); "triton" = fused matmul + online statistics forward (both
-contexts share each weight tile load; streaming top-k in registers) and a Triton grad-of-logits backward
-(dual_context_divergence_triton.py). `divergence_reference` is the float64 full-logits version for tests;
-`naive_divergence` the un-fused baseline of the benchmark.
+Backends: "torch" = chunked over the vocabulary, fp32 matmuls and torch ops (CPU path); "triton" = per vocabulary
+chunk one GEMM for both contexts (cuBLAS, fp32 output) and autotuned Triton epilogues for the statistics and the
+gradient, top-k by `torch.topk` per chunk (dual_context_divergence_triton.py; logprob_triton.py says why).
+`divergence_reference` is the float64 full-logits version for tests; `naive_divergence` the un-fused baseline of the
+benchmark.
 
 Name trap: `opid_mega.kernels.dual_context_divergence` is the FUNCTION (the package re-exports it); import other
 names with `from opid_mega.kernels.dual_context_divergence import ...` (`import ... as mod` gives the function).
@@ -45,9 +47,8 @@ import torch
 import torch.distributed as dist
 
 from ._dispatch import load_triton_module, resolve_backend
-from .logprob import _fp32_main_grad
+from .logprob import DEFAULT_CHUNK, _fp32_main_grad, triton_chunk_columns
 
-DEFAULT_CHUNK = 4096
 OUTPUT_KEYS = ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill")
 TOPK_KEYS = ("topk_ids", "topk_logp_skill", "topk_logp_orig", "topk_mass")
 _NAME = "dual_context_divergence"
@@ -269,15 +270,23 @@ def _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os,
 class _DualDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_skill, h_orig, weight, targets, vocab_start, tp_group, topk, backend, chunk, reduce_grad,
-                temperature, main_grad=None):
+                temperature, main_grad, saved_bytes):
         targets_local = targets - vocab_start
         if weight.shape[0] == 0:  # this rank's shard is all vocabulary padding
             backend = "torch"
+        ctx.kept = {}
         if backend == "triton":
             tri = load_triton_module("dual_context_divergence_triton", h_orig)
-            parts = tri.local_partials(h_skill, h_orig, weight, targets_local, topk, temperature)
+            keep = 0
+            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+                rows = 2 * h_orig.shape[0]
+                chunks = tri.chunks_of(weight.shape[0], chunk or triton_chunk_columns(rows, weight.shape[0]))
+                keep = tri.kept_chunks(chunks, rows, saved_bytes)
+            parts, ctx.kept = tri.local_partials(h_skill, h_orig, weight, targets_local, topk, temperature, chunk,
+                                                 keep)
         else:
-            parts = _local_partials_torch(h_skill, h_orig, weight, targets_local, topk, chunk, temperature)
+            parts = _local_partials_torch(h_skill, h_orig, weight, targets_local, topk, chunk or DEFAULT_CHUNK,
+                                          temperature)
         out = combine_partials(parts, tp_group, topk, vocab_start)
         ctx.save_for_backward(h_skill, h_orig, weight, targets_local, out["lse_s"], out["lse_o"], out["kl_orig_skill"])
         ctx.tp_group, ctx.backend, ctx.chunk, ctx.reduce_grad, ctx.temperature = (tp_group, backend, chunk,
@@ -296,8 +305,9 @@ class _DualDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _g_ls, g_lo, g_kf, g_kr, *_g_top):
         h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, {}
         need_h, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        none = (None,) * 12
+        none = (None,) * 13
         if (g_lo is None and g_kf is None and g_kr is None) or not (need_h or need_w):
             return none
         g_lo, g_kf, g_kr = (g.float().contiguous() if g is not None else None for g in (g_lo, g_kf, g_kr))
@@ -305,10 +315,12 @@ class _DualDivergence(torch.autograd.Function):
         if ctx.backend == "triton":
             tri = load_triton_module("dual_context_divergence_triton", h_orig)
             grad_h, grad_w = tri.backward(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf,
-                                          g_kr, need_h, need_w, ctx.temperature, main_grad=main)
+                                          g_kr, need_h, need_w, ctx.temperature, main_grad=main, chunk_size=ctx.chunk,
+                                          kept=kept)
         else:
             grad_h, grad_w = _backward_torch(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo, g_kf,
-                                             g_kr, ctx.chunk, need_h, need_w, ctx.temperature, main_grad=main)
+                                             g_kr, ctx.chunk or DEFAULT_CHUNK, need_h, need_w, ctx.temperature,
+                                             main_grad=main)
         if main is not None:  # added to main_grad in fp32; autograd's share is zero
             grad_w = torch.zeros_like(weight)
         if grad_h is not None:
@@ -320,8 +332,9 @@ class _DualDivergence(torch.autograd.Function):
 
 def dual_context_divergence(h_skill: torch.Tensor, h_orig: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                             *, vocab_start: int = 0, tp_group=None, topk: int = 0, backend: str = "auto",
-                            temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                            reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None) -> dict:
+                            temperature: float = 1.0, chunk_size: Optional[int] = None,
+                            reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None,
+                            saved_logits_bytes: Optional[int] = None) -> dict:
     """Per-token log-probs under both contexts and both KL divergences, vocabulary-parallel, no [N, V] logits.
 
     Args:
@@ -329,7 +342,8 @@ def dual_context_divergence(h_skill: torch.Tensor, h_orig: torch.Tensor, weight:
         h_orig: same shape and dtype: the same response tokens under the original context (student).
         weight: [V_local, H] this rank's vocabulary shard of the output layer, same dtype as the hidden rows.
         targets: [N] (or [...]) int64 GLOBAL vocabulary ids (the sampled tokens).
-        vocab_start, tp_group, chunk_size, reduce_hidden_grad, vocab_size: as in `fused_logprobs`.
+        vocab_start, tp_group, chunk_size, reduce_hidden_grad, vocab_size, saved_logits_bytes: as in
+            `fused_logprobs` (the Triton backend's chunks hold both contexts: 2N rows).
         topk: k > 0 also returns the top-k of p_s (merged over TP); 0: none.
         backend: "auto" | "triton" | "torch" (see `_dispatch.py`).
         temperature: T > 0: both distributions are softmax(logits / T); 1.0 skips the division.
@@ -355,7 +369,7 @@ def dual_context_divergence(h_skill: torch.Tensor, h_orig: torch.Tensor, weight:
                          "share one dtype")
     if not (h_skill.device == h_orig.device == weight.device == targets.device):
         raise ValueError(f"{_NAME}: h_skill, h_orig, weight and targets must be on the same device")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"{_NAME}: chunk_size must be >= 1, got {chunk_size}")
     if int(topk) != topk or topk < 0:
         raise ValueError(f"{_NAME}: topk must be an integer >= 0, got {topk!r}")
@@ -375,8 +389,9 @@ def dual_context_divergence(h_skill: torch.Tensor, h_orig: torch.Tensor, weight:
             w = w[:valid]  # a view: autograd gives the padded rows a zero gradient
     tg = targets.reshape(-1).long()
     chosen = resolve_backend(backend, h_orig, _NAME)
-    res = _DualDivergence.apply(hs, ho, w, tg, int(vocab_start), tp_group, int(topk), chosen, int(chunk_size),
-                                bool(reduce_hidden_grad), temperature, _fp32_main_grad(weight, w.shape[0]))
+    res = _DualDivergence.apply(hs, ho, w, tg, int(vocab_start), tp_group, int(topk), chosen,
+                                None if chunk_size is None else int(chunk_size), bool(reduce_hidden_grad),
+                                temperature, _fp32_main_grad(weight, w.shape[0]), saved_logits_bytes)
     out = {k: res[i].reshape(lead) for i, k in enumerate(OUTPUT_KEYS)}
     if topk > 0:
         out["topk_ids"] = res[4].reshape(*lead, topk)

@@ -1,104 +1,56 @@
-"""Triton half of `dual_context_divergence.py` (imported lazily; TRITON_INTERPRET=1 before importing it for CPU).
+"""Triton half of `dual_context_divergence.py` (imported lazily; set TRITON_INTERPRET=1 before importing it to run on
+CPU).
 
-Forward (`local_partials`): program (i, j) takes BLOCK_N rows and the j-th vocabulary split of this shard and loops
-over its vocabulary tiles; each weight tile is loaded once and multiplied with both hidden tiles (skill, original),
-fp32 accumulation. Per row it keeps the running max / sum-exp of both contexts, the two KL numerators
-A = sum exp(a - m_s)(a - b), B = sum exp(b - m_o)(b - a) (rescaled as the maxima move), the two target logits, and
-with TOPK = k > 0 a running top-k of the skill logits (with the original logits at those ids) merged in registers
-by k rounds of max extraction. Logits never leave registers; per-split partials are merged in torch.
+The design of `logprob_triton.py` (its docstring says why): per vocabulary chunk one GEMM with half-precision inputs
+and an fp32 output (cuBLAS) and a Triton epilogue that reads the chunk once. Both contexts share each weight read: the
+skill and the original hidden rows are stacked into one [2N, H] operand, so one GEMM gives the chunk's skill logits
+a (rows 0..N-1) and original logits b (rows N..2N-1), fp32 [2N, C] of at most CHUNK_BYTES
+(`logprob.triton_chunk_columns(2N, V)`).
 
-Backward (`backward`): per vocabulary chunk a kernel recomputes the logits tiles (the skill tile only when a KL has a
-gradient) and writes d loss / d b for the chunk ([N, chunk] in the input dtype); cuBLAS turns it into grad_h_orig
-(fp32 accumulation) and the chunk's weight-gradient rows.
+Forward (`local_partials`): `_stats_kernel` (autotuned) reduces each split of SPLIT columns of each row pair to the 8
+statistics of `dual_context_divergence._local_partials_torch` (m_s, s_s, a_num, m_o, s_o, b_num, t_s, t_o) in one
+buffer, merged once at the end. Top-k of p_s: per chunk `torch.topk` of the skill logits (a radix selection: one
+pass over the chunk, no k rounds of max extraction) with the original logits at the same ids, merged into the
+running top-k (2k candidates -> k) by `dual_context_divergence._merge_topk`.
+
+Backward (`backward`): the chunks in reverse order, the last ones kept from the forward (`saved_bytes`, default one
+chunk), the others recomputed (only the original rows when no KL needs a gradient: [N, C]); `_grad_kernel`
+(autotuned) writes d loss / d b in the input dtype (hi + lo for an fp32 main_grad), then two GEMMs give grad_h_orig
+(fp32 accumulation) and the chunk's weight gradient. The skill side is a stop-gradient (teacher).
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .logprob_triton import _mm_fp32
+from .dual_context_divergence import _merge_topk
+from .logprob import triton_chunk_columns
+from .logprob_triton import autotuned, check_inputs, chunk_pass, chunks_of, kept_chunks, launch, mm_fp32, slots_of
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# tile sizes; tests shrink them (module attributes) to exercise multi-tile paths at small shapes
-BLOCK_N = 32
+# the interpreter's one configuration (tests shrink them to exercise multi-tile paths at small shapes)
+BLOCK_N = 16
 BLOCK_V = 128
-BLOCK_H = 64
-NUM_WARPS = 8
-BWD_CHUNK = 8192
-TARGET_PROGRAMS = 1024
-NUM_SPLITS = None  # force a number of vocabulary splits (tests); None = automatic
-N_STATS = 8        # m_s, s_s, a_num, m_o, s_o, b_num, t_s, t_o
+SPLIT = 2048  # columns of a chunk one stats program reduces
+N_STATS = 8   # m_s, s_s, a_num, m_o, s_o, b_num, t_s, t_o
+_NAME = "dual_context_divergence"
 
 
 @triton.jit
-def _dual_logits_tile(hs_ptr, ho_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_hs, stride_ho, stride_w,
-                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-                      UPCAST: tl.constexpr, NEED_S: tl.constexpr):
-    acc_s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    acc_o = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, HD, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_mask = ks < HD
-        hmask = row_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-        ho = tl.load(ho_ptr + rows[:, None] * stride_ho + ks[None, :], mask=hmask, other=0.0)
-        if UPCAST:  # the CPU interpreter's dot mis-reads bf16: multiply exact fp32 copies
-            w = w.to(tl.float32)
-            ho = ho.to(tl.float32)
-        acc_o = tl.dot(ho, w, acc_o, input_precision=PRECISION)
-        if NEED_S:
-            hs = tl.load(hs_ptr + rows[:, None] * stride_hs + ks[None, :], mask=hmask, other=0.0)
-            if UPCAST:
-                hs = hs.to(tl.float32)
-            acc_s = tl.dot(hs, w, acc_s, input_precision=PRECISION)
-    return acc_s, acc_o
-
-
-@triton.jit
-def _merge_topk(run_v, run_i, run_b, a, b, cols, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr):
-    """Top-K of (running set U tile) by the skill logit a, carrying id and original logit b; K rounds of max
-    extraction. Masked tile columns hold a = -inf."""
-    kcols = tl.arange(0, KP)
-    lcols = tl.arange(0, BLOCK_V)
-    new_v = tl.full([BLOCK_N, KP], float("-inf"), tl.float32)
-    new_i = tl.full([BLOCK_N, KP], -1, tl.int32)
-    new_b = tl.full([BLOCK_N, KP], float("-inf"), tl.float32)
-    for j in range(K):  # a runtime loop: unrolling K rounds makes the compile slow (~1 min for K = 32)
-        mr = tl.max(run_v, axis=1)
-        jr = tl.argmax(run_v, axis=1)
-        mt = tl.max(a, axis=1)
-        jt = tl.argmax(a, axis=1)
-        take_t = mt > mr
-        at_r = kcols[None, :] == jr[:, None]
-        at_t = lcols[None, :] == jt[:, None]
-        id_r = tl.sum(tl.where(at_r, run_i, 0), axis=1)
-        b_r = tl.sum(tl.where(at_r, run_b, 0.0), axis=1)
-        id_t = tl.sum(tl.where(at_t, cols[None, :], 0), axis=1)
-        b_t = tl.sum(tl.where(at_t, b, 0.0), axis=1)
-        put = kcols[None, :] == j
-        new_v = tl.where(put, tl.where(take_t, mt, mr)[:, None], new_v)
-        new_i = tl.where(put, tl.where(take_t, id_t, id_r)[:, None], new_i)
-        new_b = tl.where(put, tl.where(take_t, b_t, b_r)[:, None], new_b)
-        a = tl.where(take_t[:, None] & at_t, float("-inf"), a)
-        run_v = tl.where((mt <= mr)[:, None] & at_r, float("-inf"), run_v)
-    return new_v, new_i, new_b
-
-
-@triton.jit
-def _fwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, stats_ptr, topv_ptr, topi_ptr, topb_ptr,
-                N, V, HD, stride_hs, stride_ho, stride_w, v_per_split, n_splits, temperature,
-                SCALED: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _stats_kernel(x_ptr, tgt_ptr, part_ptr, N, C, stride_x, c0, slot0, plane, temperature, ROWS_BUCKET,
+                  SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (i, j): row pairs [i*BLOCK_N, ...) (skill row r of the fp32 chunk x [2N, C], original row N + r),
+    columns [j*SPLIT, (j+1)*SPLIT): their 8 statistics at slot slot0 + j of part [8, slots, N]."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1) - c0
     m_s = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     m_o = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s_s = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -107,204 +59,177 @@ def _fwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, stats_ptr, topv_ptr, topi_ptr, t
     b_num = tl.zeros([BLOCK_N], dtype=tl.float32)
     t_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     t_o = tl.zeros([BLOCK_N], dtype=tl.float32)
-    run_v = tl.full([BLOCK_N, KP], float("-inf"), tl.float32)
-    run_i = tl.full([BLOCK_N, KP], -1, tl.int32)
-    run_b = tl.full([BLOCK_N, KP], float("-inf"), tl.float32)
-    v_begin = pid_s * v_per_split
-    v_end = tl.minimum(v_begin + v_per_split, V)
-    for v0 in range(v_begin, v_end, BLOCK_V):
+    lo = pid_s * SPLIT
+    hi = tl.minimum(lo + SPLIT, C)
+    a_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    b_base = x_ptr + (rows + N).to(tl.int64)[:, None] * stride_x
+    for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < v_end
-        a, b = _dual_logits_tile(hs_ptr, ho_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_hs, stride_ho,
-                                 stride_w, BLOCK_N, BLOCK_V, BLOCK_H, PRECISION, UPCAST, True)
+        mask = row_mask[:, None] & (cols < hi)[None, :]
+        a = tl.load(a_base + cols[None, :], mask=mask, other=0.0)
+        b = tl.load(b_base + cols[None, :], mask=mask, other=0.0)
         if SCALED:
             a = a / temperature
             b = b / temperature
-        diff = tl.where(col_mask[None, :], a - b, 0.0)  # before masking: both logits are finite here
-        a = tl.where(col_mask[None, :], a, float("-inf"))
-        b = tl.where(col_mask[None, :], b, float("-inf"))
-        hit = (cols[None, :] == tgt[:, None]) & col_mask[None, :]
+        diff = a - b  # finite (0 where masked)
+        a = tl.where(mask, a, float("-inf"))
+        b = tl.where(mask, b, float("-inf"))
+        hit = (cols[None, :] == tgt[:, None]) & mask
         t_s += tl.sum(tl.where(hit, a, 0.0), axis=1)
         t_o += tl.sum(tl.where(hit, b, 0.0), axis=1)
         new_ms = tl.maximum(m_s, tl.max(a, axis=1))
         new_mo = tl.maximum(m_o, tl.max(b, axis=1))
-        alpha_s = tl.exp(m_s - new_ms)
-        alpha_o = tl.exp(m_o - new_mo)
-        e_s = tl.where(col_mask[None, :], tl.exp(a - new_ms[:, None]), 0.0)
-        e_o = tl.where(col_mask[None, :], tl.exp(b - new_mo[:, None]), 0.0)
+        ref_s = tl.where(new_ms == float("-inf"), 0.0, new_ms)
+        ref_o = tl.where(new_mo == float("-inf"), 0.0, new_mo)
+        alpha_s = tl.exp(m_s - ref_s)
+        alpha_o = tl.exp(m_o - ref_o)
+        e_s = tl.where(mask, tl.exp(a - ref_s[:, None]), 0.0)
+        e_o = tl.where(mask, tl.exp(b - ref_o[:, None]), 0.0)
         s_s = s_s * alpha_s + tl.sum(e_s, axis=1)
         a_num = a_num * alpha_s + tl.sum(e_s * diff, axis=1)
         s_o = s_o * alpha_o + tl.sum(e_o, axis=1)
         b_num = b_num * alpha_o - tl.sum(e_o * diff, axis=1)
         m_s = new_ms
         m_o = new_mo
-        if K > 0:
-            # merge only when some row's tile max beats its current k-th value (rare after the first tiles)
-            kth = tl.min(tl.where(tl.arange(0, KP)[None, :] < K, run_v, float("inf")), axis=1)
-            if tl.max(tl.where(row_mask, tl.max(a, axis=1) - kth, float("-inf")), axis=0) > 0:
-                run_v, run_i, run_b = _merge_topk(run_v, run_i, run_b, a, b, cols, BLOCK_N, BLOCK_V, K, KP)
-    plane = n_splits * N
-    out = pid_s * N + rows
-    tl.store(stats_ptr + out, m_s, mask=row_mask)
-    tl.store(stats_ptr + plane + out, s_s, mask=row_mask)
-    tl.store(stats_ptr + 2 * plane + out, a_num, mask=row_mask)
-    tl.store(stats_ptr + 3 * plane + out, m_o, mask=row_mask)
-    tl.store(stats_ptr + 4 * plane + out, s_o, mask=row_mask)
-    tl.store(stats_ptr + 5 * plane + out, b_num, mask=row_mask)
-    tl.store(stats_ptr + 6 * plane + out, t_s, mask=row_mask)
-    tl.store(stats_ptr + 7 * plane + out, t_o, mask=row_mask)
-    if K > 0:
-        kcols = tl.arange(0, KP)
-        offs = out[:, None] * KP + kcols[None, :]
-        tmask = row_mask[:, None] & (kcols[None, :] < K)
-        tl.store(topv_ptr + offs, run_v, mask=tmask)
-        tl.store(topi_ptr + offs, run_i, mask=tmask)
-        tl.store(topb_ptr + offs, run_b, mask=tmask)
+    out = (slot0 + pid_s) * N + rows
+    tl.store(part_ptr + out, m_s, mask=row_mask)
+    tl.store(part_ptr + plane + out, s_s, mask=row_mask)
+    tl.store(part_ptr + 2 * plane + out, a_num, mask=row_mask)
+    tl.store(part_ptr + 3 * plane + out, m_o, mask=row_mask)
+    tl.store(part_ptr + 4 * plane + out, s_o, mask=row_mask)
+    tl.store(part_ptr + 5 * plane + out, b_num, mask=row_mask)
+    tl.store(part_ptr + 6 * plane + out, t_s, mask=row_mask)
+    tl.store(part_ptr + 7 * plane + out, t_o, mask=row_mask)
 
 
 @triton.jit
-def _bwd_kernel(hs_ptr, ho_ptr, w_ptr, tgt_ptr, lses_ptr, lseo_ptr, klr_ptr, glo_ptr, gkf_ptr, gkr_ptr, g_ptr,
-                glow_ptr, N, C, HD, stride_hs, stride_ho, stride_w, stride_g, c0, temperature,
-                HAS_GLO: tl.constexpr, HAS_GKF: tl.constexpr, HAS_GKR: tl.constexpr, NEED_S: tl.constexpr,
-                SCALED: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+def _grad_kernel(x_ptr, tgt_ptr, lses_ptr, lseo_ptr, klr_ptr, glo_ptr, gkf_ptr, gkr_ptr, g_ptr, glow_ptr, N, C,
+                 stride_x, b_row0, stride_g, c0, temperature, ROWS_BUCKET, HAS_GLO: tl.constexpr,
+                 HAS_GKF: tl.constexpr, HAS_GKR: tl.constexpr, NEED_S: tl.constexpr, SCALED: tl.constexpr,
+                 HI_LO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """d loss / d b of a chunk: original logits at rows b_row0 + r of x, skill logits at rows r (NEED_S)."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    lcols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = lcols < C
-    cols = c0 + lcols
-    a, b = _dual_logits_tile(hs_ptr, ho_ptr, w_ptr, rows, cols, row_mask, col_mask, HD, stride_hs, stride_ho,
-                             stride_w, BLOCK_N, BLOCK_V, BLOCK_H, PRECISION, UPCAST, NEED_S)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = row_mask[:, None] & (cols < C)[None, :]
+    b = tl.load(x_ptr + (rows + b_row0).to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if SCALED:
-        a = a / temperature
         b = b / temperature
-    lse_o = tl.load(lseo_ptr + rows, mask=row_mask, other=0.0)
-    lo = b - lse_o[:, None]
+    lo = b - tl.load(lseo_ptr + rows, mask=row_mask, other=0.0)[:, None]  # log p_o
     po = tl.exp(lo)
     grad = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     if NEED_S:
-        lse_s = tl.load(lses_ptr + rows, mask=row_mask, other=0.0)
-        ls = a - lse_s[:, None]
-        if HAS_GKR:
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if SCALED:
+            a = a / temperature
+        ls = a - tl.load(lses_ptr + rows, mask=row_mask, other=0.0)[:, None]  # log p_s
+        if HAS_GKR:  # d KL(p_o || p_s) / d b_v = p_o (log p_o - log p_s - KL)
             klr = tl.load(klr_ptr + rows, mask=row_mask, other=0.0)
             gkr = tl.load(gkr_ptr + rows, mask=row_mask, other=0.0)
             grad += gkr[:, None] * po * (lo - ls - klr[:, None])
-        if HAS_GKF:
+        if HAS_GKF:  # d KL(p_s || p_o) / d b_v = p_o - p_s
             gkf = tl.load(gkf_ptr + rows, mask=row_mask, other=0.0)
             grad += gkf[:, None] * (po - tl.exp(ls))
-    if HAS_GLO:
-        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    if HAS_GLO:  # d log p_o(y) / d b_v = 1[v = y] - p_o
+        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1) - c0
         glo = tl.load(glo_ptr + rows, mask=row_mask, other=0.0)
-        onehot = (cols[None, :] == tgt[:, None]).to(tl.float32)
-        grad += glo[:, None] * (onehot - po)
+        grad += glo[:, None] * ((cols[None, :] == tgt[:, None]).to(tl.float32) - po)
     if SCALED:
         grad = grad / temperature
+    offs = rows.to(tl.int64)[:, None] * stride_g + cols[None, :]
     hi = grad.to(g_ptr.dtype.element_ty)
-    tl.store(g_ptr + rows[:, None] * stride_g + lcols[None, :], hi, mask=row_mask[:, None] & col_mask[None, :])
-    if SPLIT:  # hi + lo = the fp32 tile to ~2^-16 (logprob_triton: fp32 main_grad accumulation)
-        tl.store(glow_ptr + rows[:, None] * stride_g + lcols[None, :], (grad - hi.to(tl.float32)).to(
-            glow_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(g_ptr + offs, hi, mask=mask)
+    if HI_LO:  # hi + lo = the fp32 tile to ~2^-16 (logprob_triton: fp32 main_grad accumulation)
+        tl.store(glow_ptr + offs, (grad - hi.to(tl.float32)).to(glow_ptr.dtype.element_ty), mask=mask)
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    return INTERPRETED and dtype == torch.bfloat16
+_stats_tuned = autotuned(_stats_kernel)
+_grad_tuned = autotuned(_grad_kernel)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact fp32 products (no TF32), so the values match the torch path to fp32 rounding
-    return "ieee" if dtype == torch.float32 or _upcast(dtype) else "tf32"
+def _merge(parts: torch.Tensor) -> dict:
+    """The [8, slots, N] partials merged over the slots (each context: max, rescaled sums)."""
+    m_s, s_s, a_num, m_o, s_o, b_num, t_s, t_o = parts
+    big_s, big_o = m_s.max(dim=0).values, m_o.max(dim=0).values
+    al_s, al_o = torch.exp(m_s - big_s), torch.exp(m_o - big_o)  # every slot has finite logits: finite maxima
+    return {"m_s": big_s, "s_s": (s_s * al_s).sum(0), "a_num": (a_num * al_s).sum(0),
+            "m_o": big_o, "s_o": (s_o * al_o).sum(0), "b_num": (b_num * al_o).sum(0),
+            "t_s": t_s.sum(0), "t_o": t_o.sum(0)}
 
 
-def _check(h_skill, h_orig, weight):
-    if h_orig.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dual_context_divergence[triton]: unsupported dtype {h_orig.dtype}")
-    if h_skill.stride(1) != 1 or h_orig.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("dual_context_divergence[triton]: hidden rows and weight need a contiguous last dimension")
-
-
-def local_partials(h_skill, h_orig, weight, targets_local, topk: int, temperature: float = 1.0) -> dict:
-    """The per-row partials of `dual_context_divergence._local_partials_torch`, from the fused kernel."""
-    _check(h_skill, h_orig, weight)
-    n, hd = h_orig.shape
+def local_partials(h_skill, h_orig, weight, targets_local, topk: int, temperature: float = 1.0,
+                   chunk_size: Optional[int] = None, keep: int = 0):
+    """The per-row partials of `dual_context_divergence._local_partials_torch`, and {c0: fp32 [2N, C] logits} of the
+    last `keep` chunks (for the backward)."""
+    check_inputs(_NAME, h_orig, h_skill, weight)
+    n = h_orig.shape[0]
     v = weight.shape[0]
     dev = h_orig.device
-    n_blocks = max(1, triton.cdiv(n, BLOCK_N))
-    v_tiles = triton.cdiv(v, BLOCK_V)
-    if NUM_SPLITS is not None:
-        splits = max(1, min(int(NUM_SPLITS), v_tiles))
-    else:
-        splits = max(1, min(v_tiles, triton.cdiv(TARGET_PROGRAMS, n_blocks)))
-    v_per_split = triton.cdiv(v_tiles, splits) * BLOCK_V
-    splits = triton.cdiv(v, v_per_split)  # every split non-empty
-    kp = triton.next_power_of_2(topk) if topk > 0 else 1
-    stats = torch.empty(N_STATS, splits, n, device=dev, dtype=torch.float32)
-    topv = torch.empty(splits, n, kp, device=dev, dtype=torch.float32)
-    topi = torch.empty(splits, n, kp, device=dev, dtype=torch.int32)
-    topb = torch.empty(splits, n, kp, device=dev, dtype=torch.float32)
+    both = torch.cat([h_skill, h_orig])  # [2N, H]: one GEMM per chunk for both contexts
+    chunks = chunks_of(v, chunk_size or triton_chunk_columns(2 * n, v))
+    parts = torch.empty(N_STATS, slots_of(chunks, SPLIT), n, device=dev, dtype=torch.float32)
     tg = targets_local.contiguous()
-    if n > 0:
-        _fwd_kernel[(n_blocks, splits)](
-            h_skill, h_orig, weight, tg, stats, topv, topi, topb, n, v, hd, h_skill.stride(0), h_orig.stride(0),
-            weight.stride(0), v_per_split, splits, float(temperature), SCALED=float(temperature) != 1.0, K=int(topk),
-            KP=kp, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, PRECISION=_precision(h_orig.dtype),
-            UPCAST=_upcast(h_orig.dtype), num_warps=NUM_WARPS)
-    m_s, s_s, a_num, m_o, s_o, b_num, t_s, t_o = stats.unbind(0)  # each [splits, N]
-    big_s, big_o = m_s.max(dim=0).values, m_o.max(dim=0).values
-    al_s, al_o = torch.exp(m_s - big_s), torch.exp(m_o - big_o)
-    parts = {"m_s": big_s, "s_s": (s_s * al_s).sum(0), "a_num": (a_num * al_s).sum(0),
-             "m_o": big_o, "s_o": (s_o * al_o).sum(0), "b_num": (b_num * al_o).sum(0),
-             "t_s": t_s.sum(0), "t_o": t_o.sum(0), "found": (targets_local >= 0) & (targets_local < v), "topk": None}
-    if topk > 0:
-        vals = topv[:, :, :topk].permute(1, 0, 2).reshape(n, -1)
-        ids = topi[:, :, :topk].permute(1, 0, 2).reshape(n, -1).long()
-        bv = topb[:, :, :topk].permute(1, 0, 2).reshape(n, -1)
-        vals, pos = vals.topk(min(topk, vals.shape[1]), dim=1)
-        parts["topk"] = (vals, ids.gather(1, pos), bv.gather(1, pos))
-    return parts
+    scaled = float(temperature) != 1.0
+    tk = (torch.empty(n, 0, device=dev), torch.empty(n, 0, dtype=torch.long, device=dev), torch.empty(n, 0, device=dev))
+    kept = {}
+    for c0, c, slot, splits, logits in chunk_pass(both, weight, chunks, SPLIT, keep, kept):
+        if n:
+            launch(_stats_kernel, _stats_tuned, (BLOCK_N, BLOCK_V), splits, n, logits, tg, parts, n, c,
+                   logits.stride(0), c0, slot, parts.stride(0), float(temperature), SPLIT=SPLIT, SCALED=scaled)
+        if topk > 0 and n:
+            vals, ids = logits[:n].topk(min(topk, c), dim=1)
+            bvals = logits[n:].gather(1, ids)
+            if scaled:
+                vals, bvals = vals / temperature, bvals / temperature
+            tk = _merge_topk(*tk, vals, ids + c0, bvals, topk)
+    out = _merge(parts[:, :slots_of(chunks, SPLIT)])
+    out.update(found=(targets_local >= 0) & (targets_local < v), topk=tk if topk > 0 else None)
+    return out, kept
 
 
 def backward(h_skill, h_orig, weight, targets_local, lse_s, lse_o, kl_os, g_lo_rows, g_kf, g_kr, need_h, need_w,
-             temperature: float = 1.0, main_grad=None):
-    """(grad_h fp32, grad_w); with ``main_grad`` the weight gradient is added to it in fp32 (grad_w None)."""
-    _check(h_skill, h_orig, weight)
+             temperature: float = 1.0, main_grad=None, chunk_size: Optional[int] = None, kept: Optional[dict] = None):
+    """(grad_h fp32, grad_w); with ``main_grad`` the weight gradient is added to it in fp32 (grad_w None). `kept`:
+    {c0: fp32 [2N, C] logits} from the forward (consumed)."""
+    check_inputs(_NAME, h_orig, h_skill, weight)
     n, hd = h_orig.shape
     v = weight.shape[0]
     dev = h_orig.device
+    kept = kept if kept is not None else {}
     grad_h = torch.zeros(n, hd, device=dev, dtype=torch.float32) if need_h else None
     grad_w = torch.empty_like(weight) if need_w and main_grad is None else None
     if n == 0:
         if grad_w is not None:
             grad_w.zero_()
         return grad_h, grad_w
-    chunk = min(v, BWD_CHUNK)
-    g = torch.empty(n, chunk, device=dev, dtype=h_orig.dtype)
-    split = main_grad is not None and need_w and h_orig.dtype != torch.float32
-    g_lo = torch.empty_like(g) if split else g
+    need_s = g_kf is not None or g_kr is not None
+    hi_lo = main_grad is not None and need_w and h_orig.dtype != torch.float32
+    both = torch.cat([h_skill, h_orig]) if need_s else None
     dummy = lse_o  # any float32 tensor for unused pointers
     tg = targets_local.contiguous()
-    for c0 in range(0, v, chunk):
-        c = min(chunk, v - c0)
-        gc, glc = g[:, :c], g_lo[:, :c]
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(c, BLOCK_V))
-        _bwd_kernel[grid](
-            h_skill, h_orig, weight, tg, lse_s, lse_o, kl_os,
-            g_lo_rows if g_lo_rows is not None else dummy, g_kf if g_kf is not None else dummy,
-            g_kr if g_kr is not None else dummy, gc, glc, n, c, hd, h_skill.stride(0), h_orig.stride(0),
-            weight.stride(0), g.stride(0), c0, float(temperature), HAS_GLO=g_lo_rows is not None,
-            HAS_GKF=g_kf is not None, HAS_GKR=g_kr is not None,
-            NEED_S=g_kf is not None or g_kr is not None, SCALED=float(temperature) != 1.0, BLOCK_N=BLOCK_N,
-            BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, PRECISION=_precision(h_orig.dtype), UPCAST=_upcast(h_orig.dtype),
-            SPLIT=split, num_warps=NUM_WARPS)
+    for c0, c in reversed(chunks_of(v, chunk_size or triton_chunk_columns(2 * n, v))):
         w_c = weight[c0:c0 + c]
+        logits = kept.pop(c0, None)
+        b_row0 = n
+        if logits is None:
+            logits = mm_fp32(both, w_c.t()) if need_s else mm_fp32(h_orig, w_c.t())
+            b_row0 = n if need_s else 0
+        g = torch.empty(n, c, device=dev, dtype=h_orig.dtype)
+        g_low = torch.empty_like(g) if hi_lo else g
+        launch(_grad_kernel, _grad_tuned, (BLOCK_N, BLOCK_V), lambda bv: triton.cdiv(c, bv), n, logits, tg, lse_s,
+               lse_o, kl_os, g_lo_rows if g_lo_rows is not None else dummy, g_kf if g_kf is not None else dummy,
+               g_kr if g_kr is not None else dummy, g, g_low, n, c, logits.stride(0), b_row0, g.stride(0), c0,
+               float(temperature), HAS_GLO=g_lo_rows is not None, HAS_GKF=g_kf is not None,
+               HAS_GKR=g_kr is not None, NEED_S=need_s, SCALED=float(temperature) != 1.0, HI_LO=hi_lo)
+        del logits
         if need_h:
-            grad_h += _mm_fp32(gc, w_c)
+            grad_h += mm_fp32(g, w_c)
         if need_w and main_grad is not None:
-            main_grad[c0:c0 + c] += _mm_fp32(gc.t(), h_orig)
-            if split:
-                main_grad[c0:c0 + c] += _mm_fp32(glc.t(), h_orig)
+            main_grad[c0:c0 + c] += mm_fp32(g.t(), h_orig)
+            if hi_lo:
+                main_grad[c0:c0 + c] += mm_fp32(g_low.t(), h_orig)
         elif need_w:
-            grad_w[c0:c0 + c] = gc.t() @ h_orig
+            torch.mm(g.t(), h_orig, out=grad_w[c0:c0 + c])
     return grad_h, grad_w

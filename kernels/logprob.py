@@ -14,17 +14,21 @@ Each rank reduces its shard to per-row partials, all relative to the local runni
     m = max_v l_v,   s = sum_v exp(l_v - m),   u = sum_v exp(l_v - m) (l_v - m),   t = l_target (0 if not here)
 
 and, with a `tp_group`, they are combined with one MAX all-reduce (m) and one SUM all-reduce of
-(s, u, t, found) rescaled to the global max M. Then `logZ = M + log S`, `logprob = t - logZ`,
-`entropy = log S - U / S`. The backward recomputes logits chunk by chunk from the saved `logZ` (and entropy):
+(s, u, t, found) rescaled to the global max M (`merge_partials` is the same merge over a local dimension). Then
+`logZ = M + log S`, `logprob = t - logZ`, `entropy = log S - U / S`. The backward works chunk by chunk from the
+saved `logZ` (and entropy):
 
     d logprob / d l_v = 1[v = target] - p_v
     d entropy / d l_v = -p_v (l_v - logZ + entropy)
 
 so it also never needs full logits nor any communication except the gradient of the (replicated) hidden states.
 
-Backends: "torch" = chunked over the vocabulary (CPU production path and reference); "triton" = a fused
-matmul + online-softmax forward (split over vocabulary blocks, no logits in memory) and a backward whose
-grad-of-logits tiles are computed by a Triton kernel and multiplied by cuBLAS (see logprob_triton.py).
+Backends (the vocabulary is cut into chunks of `chunk_size` columns in both):
+  torch  -- per chunk an fp32 matmul and the statistics in torch ops (CPU production path; DEFAULT_CHUNK columns).
+  triton -- per chunk one GEMM with half-precision inputs and an fp32 output (cuBLAS) and one autotuned Triton
+            epilogue that reads the chunk once (logprob_triton.py, which says why); chunks of CHUNK_BYTES of fp32
+            logits (`triton_chunk_columns`); the backward reuses the last chunks the forward computed
+            (`saved_logits_bytes`) and recomputes the others.
 `logprobs_reference` is the naive float64 full-logits version for tests.
 """
 from __future__ import annotations
@@ -36,7 +40,27 @@ import torch.distributed as dist
 
 from ._dispatch import load_triton_module, resolve_backend
 
-DEFAULT_CHUNK = 4096
+DEFAULT_CHUNK = 4096      # torch backend: vocabulary columns per chunk
+CHUNK_BYTES = 64 << 20    # Triton backend: fp32 logits per chunk (the GEMM output the epilogue reads)
+CHUNK_ALIGN = 256         # Triton backend: chunk widths are multiples of this (whole epilogue tiles)
+
+
+def triton_chunk_columns(rows: int, vocab: int) -> int:
+    """Vocabulary columns per chunk of the Triton backend for `rows` rows: as many as CHUNK_BYTES of fp32 logits
+    hold, a multiple of CHUNK_ALIGN (at least one), at most the shard. At Qwen2.5-7B's head with 4,096 rows: 4,096
+    columns, a [4096, 3584] x [3584, 4096] GEMM (120 GFLOP) per chunk, 38 chunks."""
+    cols = CHUNK_BYTES // (4 * max(1, rows))
+    return max(1, min(vocab, max(CHUNK_ALIGN, cols // CHUNK_ALIGN * CHUNK_ALIGN)))
+
+
+def merge_partials(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor, t: torch.Tensor):
+    """Merge per-row partials [k, N] (each relative to its own max m, an empty part has m = -inf and s = 0) over
+    their first dimension: (M, S, U, T) [N], as the TP all-reduce of `combine_partials` merges the ranks' parts."""
+    big_m = m.max(dim=0).values
+    ref = torch.where(torch.isinf(big_m), torch.zeros_like(big_m), big_m)
+    alpha = torch.exp(m - ref)  # 0 for an empty part
+    d = torch.where(s > 0, m - ref, torch.zeros_like(m))
+    return big_m, (s * alpha).sum(0), (alpha * (u + d * s)).sum(0), t.sum(0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,15 +217,22 @@ def _fp32_main_grad(weight: torch.Tensor, rows: int):
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy, backend, chunk, reduce_grad,
-                temperature, main_grad=None):
+                temperature, main_grad, saved_bytes):
         targets_local = targets - vocab_start
         if weight.shape[0] == 0:  # this rank's shard is all vocabulary padding
             backend = "torch"
+        ctx.kept = {}
         if backend == "triton":
             tri = load_triton_module("logprob_triton", hidden)
-            m, s, u, t, found = tri.local_partials(hidden, weight, targets_local, with_entropy, temperature)
+            keep = 0
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                cols = chunk or triton_chunk_columns(hidden.shape[0], weight.shape[0])
+                keep = tri.kept_chunks(tri.chunks_of(weight.shape[0], cols), hidden.shape[0], saved_bytes)
+            m, s, u, t, found, ctx.kept = tri.local_partials(hidden, weight, targets_local, with_entropy, temperature,
+                                                             chunk, keep)
         else:
-            m, s, u, t, found = _local_partials_torch(hidden, weight, targets_local, with_entropy, chunk, temperature)
+            m, s, u, t, found = _local_partials_torch(hidden, weight, targets_local, with_entropy,
+                                                      chunk or DEFAULT_CHUNK, temperature)
         logprob, entropy, log_z = combine_partials(m, s, u, t, found, tp_group)
         ctx.save_for_backward(hidden, weight, targets_local, log_z, entropy if with_entropy else None)
         ctx.tp_group, ctx.backend, ctx.chunk, ctx.reduce_grad = tp_group, backend, chunk, reduce_grad
@@ -216,33 +247,36 @@ class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets_local, log_z, entropy = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, {}
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not ctx.with_entropy:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 11
+            return (None,) * 12
         g_lp = g_lp.float().contiguous() if g_lp is not None else None
         g_ent = g_ent.float().contiguous() if g_ent is not None else None
         main = ctx.main_grad if need_w else None
         if ctx.backend == "triton":
             tri = load_triton_module("logprob_triton", hidden)
             grad_h, grad_w = tri.backward(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, need_h, need_w,
-                                          ctx.temperature, main_grad=main)
+                                          ctx.temperature, main_grad=main, chunk_size=ctx.chunk, kept=kept)
         else:
-            grad_h, grad_w = _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent, ctx.chunk,
-                                             need_h, need_w, ctx.temperature, main_grad=main)
+            grad_h, grad_w = _backward_torch(hidden, weight, targets_local, log_z, entropy, g_lp, g_ent,
+                                             ctx.chunk or DEFAULT_CHUNK, need_h, need_w, ctx.temperature,
+                                             main_grad=main)
         if main is not None:  # accumulated into main_grad in fp32: autograd's share is zero (see _fp32_main_grad)
             grad_w = torch.zeros_like(weight)
         if grad_h is not None:
             if ctx.reduce_grad and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0,
-                   tp_group=None, return_entropy: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK,
-                   reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None, temperature: float = 1.0,
+                   tp_group=None, return_entropy: bool = False, backend: str = "auto",
+                   chunk_size: Optional[int] = None, reduce_hidden_grad: bool = True, vocab_size: Optional[int] = None,
+                   temperature: float = 1.0, saved_logits_bytes: Optional[int] = None,
                    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probs of `targets` under softmax(hidden @ W^T), vocabulary-parallel, without [N, V] logits.
 
@@ -255,7 +289,8 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         tp_group: process group over which the vocabulary is split (None: this shard is the whole vocabulary).
         return_entropy: also return the per-row entropy of the full softmax (differentiable too).
         backend: "auto" | "triton" | "torch" (see `_dispatch.py`).
-        chunk_size: vocabulary chunk of the torch path (peak extra memory ~ 2 * N * chunk_size * 4 bytes).
+        chunk_size: vocabulary columns per chunk (peak extra memory ~ 2 * N * chunk_size * 4 bytes). None: the
+            backend's plan (torch: DEFAULT_CHUNK; Triton: `triton_chunk_columns`, CHUNK_BYTES of fp32 logits).
         reduce_hidden_grad: all-reduce (SUM) the hidden-state gradient over `tp_group` in backward, so every rank
             gets the full gradient of its replicated input. Set False when the caller already reduces it (e.g. the
             input came through Megatron's `copy_to_tensor_model_parallel_region` / sequence-parallel gather).
@@ -263,6 +298,9 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             vocabulary padding) are left out of the softmax and get zero gradient. None: every row is real.
         temperature: T > 0; the log-probs (and entropy) are those of softmax(logits / T), the distribution a sampler
             at temperature T draws from. 1.0 (default) skips the division: bit-identical to the plain softmax.
+        saved_logits_bytes: Triton backend with gradients: how many bytes of the forward's fp32 logits chunks (the
+            last ones) are kept for the backward instead of recomputed -- where memory allows, up to N * V_local * 4
+            (no recompute at all). None: one chunk (the buffer the backward would allocate anyway); 0: none.
 
     A bf16/fp16 ``weight`` with an fp32 ``main_grad`` (megatron-core DDP) gets its gradient accumulated into
     ``main_grad`` in fp32 by the backward (autograd sees zero for it; :func:`_fp32_main_grad`).
@@ -282,7 +320,7 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"fused_logprobs: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
     if hidden.device != weight.device or hidden.device != targets.device:
         raise ValueError("fused_logprobs: hidden, weight and targets must be on the same device")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"fused_logprobs: chunk_size must be >= 1, got {chunk_size}")
     temperature = float(temperature)
     if not (temperature > 0 and temperature < float("inf")):
@@ -299,8 +337,8 @@ def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     tg = targets.reshape(-1).long()
     chosen = resolve_backend(backend, hidden, "fused_logprobs")
     lp, ent = _FusedLogprobs.apply(h2, w, tg, int(vocab_start), tp_group, bool(return_entropy), chosen,
-                                   int(chunk_size), bool(reduce_hidden_grad), temperature,
-                                   _fp32_main_grad(weight, w.shape[0]))
+                                   None if chunk_size is None else int(chunk_size), bool(reduce_hidden_grad),
+                                   temperature, _fp32_main_grad(weight, w.shape[0]), saved_logits_bytes)
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)
     return lp.reshape(lead)

@@ -5,12 +5,13 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["env", "install", "kernel_tests", "bench_logprob", "bench_divergence", "bench_fork_attention", "rescoring",
-          "ppo_step", "local_engine"]
+          "delta_noise", "ppo_step", "local_engine"]
 
 
 def _limits():
@@ -26,7 +27,7 @@ def test_gpu_check_dry_run(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout[-6000:], r.stderr[-3000:])
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and "summary.json" in files, files
+    assert files == ["bench.tar.gz", "local_engine.json", "ppo_step.json", "stages.log", "summary.json"], files
     summary = json.loads((out / "summary.json").read_text())
     assert r.stdout.rstrip().endswith("}") and json.loads(r.stdout[r.stdout.rindex("\n{") + 1:]) == summary
     assert summary["dry_run"] is True and 0 < summary["budget_s"] <= 540
@@ -43,21 +44,33 @@ def test_gpu_check_dry_run(tmp_path):
         assert by[name]["status"] == "ok", by[name]
     assert by["kernel_tests"]["figures"]["passed"] > 0 and by["kernel_tests"]["figures"]["failures"] == 0
     for name in ("bench_logprob", "bench_divergence", "bench_fork_attention"):  # opid-bench's rows, read back
-        cases = by[name]["figures"].values()
+        assert list(by[name]["figures"]) == ["tiny"], name  # per preset
+        cases = by[name]["figures"]["tiny"].values()
         assert cases and all(c["share_of_matmul"] is not None and c["max_error"] is not None for c in cases), name
         peers = [v for c in cases for v in c.values() if isinstance(v, dict)]
         assert any(v.get("speed_ratio") for v in peers) and all(v.get("speed_ratio") or v.get("skipped") for v in peers)
+    # every opid-bench JSON of the run in one archive, one folder, 5 timed repeats per row; the targets read from them
+    with tarfile.open(out / "bench.tar.gz") as tar:
+        names = sorted(tar.getnames())
+        docs = [json.load(tar.extractfile(n)) for n in names if n.endswith(".json")]
+    assert summary["run"] == "dry_run" and names[0] == "dry_run"
+    assert sorted(f"{d['op']}_{d['preset']}" for d in docs) == [
+        "delta_noise_tiny", "divergence_tiny", "fork_attention_tiny", "logprob_tiny", "rescoring_tiny"]
+    assert all(d["repeats"] == 5 for d in docs)
+    checks = {(t["op"], t["case"], t["check"]) for t in summary["targets"]}
+    assert ("logprob", "fwd bfloat16", "share_of_matmul_at_least_0.6") in checks and len(checks) == 8
+    assert all(t["met"] in (True, False, None) for t in summary["targets"])
     if by["install"]["status"] == "ok":  # gpu_wheels/ is there: the package still comes from the checkout
         assert by["install"]["figures"]["opid_mega.kernels"].endswith(os.path.join("opid_mega", "kernels",
                                                                                    "__init__.py"))
-    for name in ("rescoring", "ppo_step", "local_engine"):  # megatron-core is installed here: they run
+    for name in ("rescoring", "delta_noise", "ppo_step", "local_engine"):  # megatron-core is installed here: they run
         assert by[name]["status"] == "ok", by[name]
     assert by["ppo_step"]["figures"]["tokens"] > 0 and by["ppo_step"]["figures"]["attention_backend"]
     eng = by["local_engine"]["figures"]
     assert eng["dtype"] == "float32" and eng["reference_dtype"] == "float64"
     for k in ("engine_vs_reference_max_abs", "trainer_vs_reference_max_abs", "engine_vs_trainer_max_abs"):
         assert eng[k] < 1e-4, (k, eng)  # fp32 against fp64 on the CPU
-    resc = by["rescoring"]["figures"].values()  # opid-bench rows: the fp32 model on the CPU against float64
+    resc = by["rescoring"]["figures"]["tiny"].values()  # opid-bench rows: the fp32 model on the CPU against float64
     assert resc and all(c["max_error"] < 1e-3 and c["share_of_matmul"] is not None and c["bound_speedup"] > 1
                         for c in resc), resc
     assert all(v.get("speed_ratio") for c in resc for v in c.values() if isinstance(v, dict))  # the naive scorer
@@ -140,21 +153,45 @@ def test_only_the_selected_stages_run(tmp_path):
     others = [n for n in STAGES if n not in ("env", "bench_divergence", "install")]
     assert all(status[n] == ("skipped", "not in GPU_CHECK_ONLY=env,bench_divergence") for n in others), status
     assert status["install"][0] == "skipped"  # not selected (or no wheels): either way it says why
-    assert sorted(p.name for p in out.iterdir()) == ["bench_divergence.json", "stages.log", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.tar.gz", "stages.log", "summary.json"]
+
+
+def _model_stages():
+    import importlib.util
+
+    path = os.path.join(ROOT, "tools", "gpu_model_stages.py")
+    spec = importlib.util.spec_from_file_location("gpu_model_stages", path)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    return stages
+
+
+def test_the_ppo_step_counts_the_head_on_the_scored_rows_only():
+    """Model FLOPs of a PPO step: 3 x the forward, every token through the layers (linear layers, causal attention),
+    the LM head on the response rows only -- not 6 x all parameters x all tokens."""
+    stages = _model_stages()
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    S, P, R, V = 3, 20, 5, stages.VOCAB
+    h, f, L, hq, hkv, d = 64, 128, 2, 4, 2, 16
+    linear = L * (2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h + 6 * h * f)
+    n = P + R
+    forward = S * (linear * n + L * 4 * hq * d * n * (n + 1) // 2) + 2 * h * V * S * R
+    assert stages.ppo_flops(shape, S, P, R) == 3 * forward
+    # the head on every token would add 2 x 3 x h x V x S x P: the prompt rows are never scored
+    assert stages.ppo_flops(shape, S, P + 10, R) - stages.ppo_flops(shape, S, P, R) < 2 * 3 * h * V * S * 10
+    big = stages.SIZES["gpu"][0]
+    params = 697_077_760  # the GPU check's random Qwen3 (tied embeddings)
+    assert stages.ppo_flops(big, 16, 512, 256) < 0.75 * 6 * params * 16 * (512 + 256)
 
 
 def test_the_check_s_random_bf16_model_keeps_exact_rope_frequencies():
     """Qwen3ForCausalLM(config).to(bf16) rounds the rotary inv_freq buffer to bf16 (HF's from_pretrained(dtype=...)
     keeps it fp32): the engine and the reference built from such a model would both carry a position-growing phase
     error the trainer's exact RoPE has not, and the engine stage would report that as the trainer's error."""
-    import importlib.util
-
     import torch
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("gpu_model_stages", os.path.join(root, "tools", "gpu_model_stages.py"))
-    stages = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stages)
+    stages = _model_stages()
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
     model = stages.random_qwen3(shape, "bfloat16")

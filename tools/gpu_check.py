@@ -9,12 +9,15 @@
     python3 tools/gpu_check.py pytest ARG...                      pytest with the package the check runs (below)
     python3 tools/gpu_check.py installed OUT.json WHEEL_DIR SITE  what the install stage left, and where
                                                                    opid_mega and opid_mega.kernels come from
-    python3 tools/gpu_check.py summary STAGES.jsonl WORK OUT/summary.json BUDGET_S [--dry-run]
+    python3 tools/gpu_check.py summary STAGES.jsonl WORK OUT/summary.json BUDGET_S RUN [--dry-run]
 
-The summary (one JSON object, printed last by the check): budget_s, dry_run, device, bf16_matmul_tflops, and
-`stages`: [{name, status (ok|failed|skipped|timeout), seconds, limit_s (planned), given_s (its limit plus what the
-stages before it left unused), reason, figures{...}}]; kernel throughputs are also given as a share of the measured
-matmul rate (`share_of_matmul`). exit_status: 1 when a stage failed or timed out, else 0.
+The summary (one JSON object, printed last by the check): budget_s, dry_run, device, bf16_matmul_tflops, run (the
+folder of the run's opid-bench JSONs, WORK/RUN/OP_PRESET.json), and `stages`: [{name, status
+(ok|failed|skipped|timeout), seconds, limit_s (planned), given_s (its limit plus what the stages before it left
+unused), reason, figures{...}}] (an opid-bench stage's figures: per preset, per case); kernel throughputs are also
+given as a share of the measured matmul rate (`share_of_matmul`). `targets`: the GPU targets of the fused heads at
+each preset, each with its value and `met` (true / false; null when a row it needs did not run). exit_status: 1
+when a stage failed or timed out, else 0.
 """
 from __future__ import annotations
 
@@ -225,7 +228,22 @@ def _junit_counts(path):
     return tot
 
 
-def figures(name, work, rate):
+BENCH_OPS = {"bench_logprob": "logprob", "bench_divergence": "divergence", "bench_fork_attention": "fork_attention",
+             "rescoring": "rescoring", "delta_noise": "delta_noise"}
+
+
+def bench_results(run_dir: str, op: str) -> dict:
+    """{preset: opid-bench result} of `op` in the run's folder (OP_PRESET.json)."""
+    out = {}
+    for f in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+        if f.startswith(op + "_") and f.endswith(".json"):
+            doc = _load(os.path.join(run_dir, f))
+            if doc and doc.get("op") == op:
+                out[doc["preset"]] = doc
+    return out
+
+
+def figures(name, work, rate, run=""):
     j = lambda f: _load(os.path.join(work, f))  # noqa: E731
     if name == "env":
         return j("env.json") or {}
@@ -233,14 +251,13 @@ def figures(name, work, rate):
         return j("install.json") or {}
     if name == "kernel_tests":
         return _junit_counts(os.path.join(work, "kernel_tests.xml")) or {}
-    if name in ("bench_logprob", "bench_divergence", "bench_fork_attention"):
-        return _bench_cases(j(f"{name}.json"), rate)
-    if name == "rescoring":  # opid-bench's schema too; per case also the FLOP bound of fork over naive scoring
-        doc = j("bench_rescoring.json")
-        out = _bench_cases(doc, rate)
-        for c in (doc or {}).get("cases", []):
-            if c.get("name") in out:
-                out[c["name"]]["bound_speedup"] = c.get("bound_speedup")
+    if name in BENCH_OPS:
+        out = {}
+        for preset, doc in bench_results(os.path.join(work, run), BENCH_OPS[name]).items():
+            out[preset] = _bench_cases(doc, rate)
+            for c in doc.get("cases", []):  # rescoring: the FLOP bound of fork over naive scoring
+                if c.get("bound_speedup") is not None and c.get("name") in out[preset]:
+                    out[preset][c["name"]]["bound_speedup"] = c["bound_speedup"]
         return out
     if name in ("ppo_step", "local_engine"):
         doc = j(f"{name}.json") or {}
@@ -250,7 +267,45 @@ def figures(name, work, rate):
     return {}
 
 
-def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: bool) -> int:
+# (op, case, check): the GPU targets of the fused heads, at every preset the run measured
+TARGETS = (("logprob", "fwd bfloat16", "faster_than_naive"), ("logprob", "fwd bfloat16", "faster_than_liger"),
+           ("logprob", "fwd bfloat16", "share_of_matmul_at_least_0.6"),
+           ("logprob", "fwd bfloat16", "memory_at_most_5pct_of_naive"),
+           ("logprob", "fwd+bwd bfloat16", "faster_than_naive"),
+           ("logprob", "fwd+bwd bfloat16", "memory_at_most_5pct_of_naive"),
+           ("divergence", "fwd+bwd bfloat16", "faster_than_naive"),
+           ("divergence", "fwd+bwd bfloat16", "memory_at_most_5pct_of_naive"))
+
+
+def targets(run_dir: str, rate) -> list:
+    """Each target at each preset: {op, preset, case, check, value, met}; met is None when a row it needs did not
+    run (value None). Ours is our Triton row; naive the eager naive row; Liger its row where it ran."""
+    out = []
+    for op, case_name, check in TARGETS:
+        for preset, doc in bench_results(run_dir, op).items():
+            case = next((c for c in doc.get("cases", []) if c.get("name") == case_name), None)
+            rows = {} if case is None else {(m["name"], m.get("runs_as")): m for m in case["methods"]
+                                            if "seconds" in m}
+            ours = next((m for (n, r), m in rows.items() if r == "Triton" and m["role"] == "ours"), None)
+            naive = next((m for (n, r), m in rows.items() if n.startswith("naive") and r == "eager"), None)
+            liger = next((m for (n, r), m in rows.items() if n.startswith("Liger")), None)
+            value = None
+            if ours and check == "faster_than_naive" and naive:
+                value = naive["seconds"] / ours["seconds"]
+            elif ours and check == "faster_than_liger" and liger:
+                value = liger["seconds"] / ours["seconds"]
+            elif ours and check.startswith("share_of_matmul") and rate:
+                value = case["flops"] / ours["seconds"] / 1e12 / rate
+            elif ours and check.startswith("memory") and naive and naive["peak_bytes"]:
+                value = ours["peak_bytes"] / naive["peak_bytes"]
+            met = None if value is None else (value <= 0.05 if check.startswith("memory") else
+                                              value >= 0.6 if check.startswith("share") else value > 1.0)
+            out.append({"op": op, "preset": preset, "case": case_name, "check": check,
+                        "value": None if value is None else round(value, 4), "met": met})
+    return out
+
+
+def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: bool, run: str = "") -> int:
     rows = [json.loads(line) for line in open(stages_path) if line.strip()]
     env = _load(os.path.join(work, "env.json")) or {}
     rate = env.get("bf16_matmul_tflops")
@@ -261,15 +316,15 @@ def cmd_summary(stages_path: str, work: str, out_path: str, budget: float, dry: 
         if r.get("reason"):
             st["reason"] = r["reason"]
         try:
-            st["figures"] = figures(r["name"], work, rate) if r["status"] != "skipped" else {}
+            st["figures"] = figures(r["name"], work, rate, run) if r["status"] != "skipped" else {}
         except Exception as exc:  # noqa: BLE001 - a figure that cannot be read never hides the statuses
             st["figures"] = {"error": f"{type(exc).__name__}: {exc}"}
         stages.append(st)
     bad = [s["name"] for s in stages if s["status"] in ("failed", "timeout")]
     summary = {"budget_s": budget, "dry_run": dry, "device": env.get("device"), "torch": env.get("torch"),
-               "triton": env.get("triton"), "bf16_matmul_tflops": rate,
+               "triton": env.get("triton"), "bf16_matmul_tflops": rate, "run": run,
                "total_s": round(sum(s["seconds"] for s in stages), 1), "failed": bad, "exit_status": 1 if bad else 0,
-               "stages": stages}
+               "targets": targets(os.path.join(work, run), rate), "stages": stages}
     with open(out_path, "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary, indent=1))
@@ -289,7 +344,8 @@ def main(argv) -> int:
     if cmd == "installed":
         return cmd_installed(argv[1], argv[2], argv[3])
     if cmd == "summary":
-        return cmd_summary(argv[1], argv[2], argv[3], float(argv[4]), "--dry-run" in argv)
+        return cmd_summary(argv[1], argv[2], argv[3], float(argv[4]), "--dry-run" in argv,
+                           argv[5] if len(argv) > 5 and argv[5] != "--dry-run" else "")
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -8,21 +8,29 @@
 #                   given as a share of it)
 #   install         gpu_wheels/*.whl with `pip install --no-index --no-deps --target` into a directory already on
 #                   PYTHONPATH (without pip: the wheels unzipped there); nothing else is installed
-#   kernel_tests    tests/kernels -m "not slow" with the compiled Triton backend
-#   bench_logprob   `opid-bench logprob --preset 7b`: the fused log-prob head against its peers (eager naive, Liger's
-#                   fused linear CE where carried), Qwen2.5-7B's head (hidden 3584, V 152,064), bf16 and fp32
-#   bench_divergence  `opid-bench divergence --preset 7b`: the dual-context divergence head, same shapes
-#   bench_fork_attention  `opid-bench fork_attention --preset 7b`: the fork-attention kernel alone against per-sequence
-#                   attention and FlexAttention with the same mask
+#   kernel_tests    tests/kernels -m "not slow" with the compiled Triton backend (fixed tiles; one test autotunes)
+#   bench_logprob   `opid-bench logprob --preset 7b` and `--preset 32b`: the fused log-prob head against its peers
+#                   (eager naive, Liger's fused linear CE where carried), Qwen2.5-7B's head (hidden 3584, V 152,064)
+#                   and one TP-4 rank of Qwen2.5-32B's (hidden 5120, V 38,016), bf16, fwd and fwd+bwd
+#   bench_divergence  `opid-bench divergence`, the same presets: the dual-context divergence head
+#   bench_fork_attention  `opid-bench fork_attention`, the same presets: the fork-attention kernel alone against the
+#                   naive scorer's per-sequence attention, dense-mask SDPA and FlexAttention with the same mask
 #   rescoring       `opid-bench rescoring --preset 7b`: fork vs two-pass naive scoring on a bf16 megatron-core model
 #                   (Qwen2.5-7B layer shapes, 4 layers, full vocabulary), both skill placements
+#   delta_noise     `opid-bench delta_noise --preset 7b`: the noise of Δ on that model in bf16, fp16 and fp32 when the
+#                   same step-samples are packed otherwise, scored in two passes, or given an empty skill
 #   ppo_step        one bf16 PPO step of the trainer's Policy (training attention through the model: the varlen path)
 #   local_engine    the local rollout engine, and its and the trainer's log-probs against an fp32 reference
+# Every opid-bench table comes from this one run, 5 timed repeats per row (median, min, max); they come back as
+# bench.tar.gz, the folder gpu/ of opid-bench JSONs, OP_PRESET.json (their titles name the GPU):
+#   rm -rf docs/bench/gpu && tar xzf bench.tar.gz -C docs/bench
+#   opid-bench report docs/bench/gpu --markdown docs/performance.md
+# The summary states the fused heads' GPU targets (docs/performance.md) as met or not (`targets`).
 # The package runs from this checkout (PYTHONPATH; kernels/ appears as opid_mega.kernels as setup.py maps it), so
 # every stage is independent of the install: a stage that fails never takes a later one with it. A stage whose
 # Python packages (or the Qwen3 tokenizer) are missing is `skipped` with the reason, never a failure. Output in $OUT
-# (else runs/gpu_check/): summary.json (printed last) + stages.log + at most 5 benchmark JSONs (<= 8 files). Exit
-# status: 1 iff a stage that ran failed or timed out.
+# (else runs/gpu_check/): summary.json (printed last) + stages.log + bench.tar.gz + ppo_step.json + local_engine.json
+# (<= 8 files). Exit status: 1 iff a stage that ran failed or timed out.
 #   bash tools/gpu_check.sh             # on the GPU machine
 #   bash tools/gpu_check.sh --dry-run   # the same plumbing on a CPU machine: TRITON_INTERPRET=1, tiny shapes
 #   GPU_CHECK_ONLY=install,ppo_step bash tools/gpu_check.sh   # only these stages (the others: skipped)
@@ -48,8 +56,8 @@ STAGES="$WORK/stages.jsonl"
 : > "$STAGES"
 
 # name:limit_s of every stage, in order
-LIMITS=(env:30 install:30 kernel_tests:110 bench_logprob:55 bench_divergence:55 bench_fork_attention:45 rescoring:60
-        ppo_step:85 local_engine:55)
+LIMITS=(env:25 install:20 kernel_tests:110 bench_logprob:60 bench_divergence:50 bench_fork_attention:35 rescoring:45
+        delta_noise:60 ppo_step:60 local_engine:45)
 BUDGET=0
 for x in "${LIMITS[@]}"; do BUDGET=$((BUDGET + ${x#*:})); done
 limit_of() { for x in "${LIMITS[@]}"; do [ "${x%%:*}" = "$1" ] && echo "${x#*:}"; done; }
@@ -133,6 +141,10 @@ if [ $DRY -eq 0 ] && [ -f "$WORK/env.json" ] && ! "$PY" -c 'import json, sys
 sys.exit(0 if json.load(open(sys.argv[1])).get("cuda_available") else 1)' "$WORK/env.json" 2> /dev/null; then
   NO_DEVICE="no CUDA device (see the env stage)"
 fi
+# the folder of this run's opid-bench JSONs (docs/bench/gpu)
+RUN=$([ $DRY -eq 1 ] && echo dry_run || echo gpu)
+mkdir -p "$WORK/$RUN"
+export RUN
 
 # ---- install: the carried wheels into $WORK/site (on PYTHONPATH), --no-deps: their needs are already there
 install_stage() {
@@ -161,10 +173,10 @@ fi
 # ---- kernels and their benchmarks
 if [ $DRY -eq 1 ]; then  # the stage's plumbing only: the test suite runs every kernel file under the interpreter
   KT=(tests/kernels/test_kernel_logprob_temperature.py)
-  P_BENCH=tiny TINY=--tiny
+  P_BENCH=tiny P_HEADS=tiny TINY=--tiny
 else
   KT=(tests/kernels)
-  P_BENCH=7b TINY=
+  P_BENCH=7b P_HEADS="7b 32b" TINY=
 fi
 XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 workers where pytest-xdist is there
 [ $DRY -eq 0 ] && [ "${GPU_CHECK_XDIST:-1}" != 0 ] && [ -z "$("$PY" tools/gpu_check.py missing xdist 2>&1)" ] \
@@ -172,30 +184,43 @@ XDIST=()  # cold Triton compiles are CPU work: spread the test files over 4 work
 stage kernel_tests pytest "$PY" tools/gpu_check.py pytest "${KT[@]}" -m "not slow" -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} \
   --junitxml="$WORK/kernel_tests.xml"
 # opid-bench from a neutral directory (in the checkout `python3 -m` would put the checkout's opid_mega, which has no
-# kernels, first on sys.path); --no-compile: torch.compile's compile time does not fit a stage's limit
-opid_bench() { (cd "$WORK" && "$PY" -m opid_mega.bench.cli "$1" --preset "$P_BENCH" --repeats 2 --no-compile \
-  --json "$WORK/bench_$1.json"); }
-bench_logprob() { opid_bench logprob; }
-bench_divergence() { opid_bench divergence; }
-bench_fork_attention() { opid_bench fork_attention; }
-bench_rescoring() { opid_bench rescoring; }
-export -f opid_bench bench_logprob bench_divergence bench_fork_attention bench_rescoring
-export P_BENCH
+# kernels, first on sys.path); --no-compile: torch.compile's compile time does not fit a stage's limit. One JSON per
+# op and preset, 5 timed repeats per row; a preset that fails leaves the others running (the stage then fails).
+opid_bench() {  # OP PRESET...
+  local op="$1" rc=0 p
+  shift
+  for p in "$@"; do
+    (cd "$WORK" && "$PY" -m opid_mega.bench.cli "$op" --preset "$p" --repeats 5 --no-compile \
+      --json "$WORK/$RUN/${op}_$p.json") || rc=1
+  done
+  return $rc
+}
+bench_logprob() { opid_bench logprob $P_HEADS; }
+bench_divergence() { opid_bench divergence $P_HEADS; }
+bench_fork_attention() { opid_bench fork_attention $P_HEADS; }
+bench_rescoring() { opid_bench rescoring $P_BENCH; }
+bench_delta_noise() { opid_bench delta_noise $P_BENCH; }
+export -f opid_bench bench_logprob bench_divergence bench_fork_attention bench_rescoring bench_delta_noise
+export P_BENCH P_HEADS
 stage bench_logprob - bench_logprob
 stage bench_divergence - bench_divergence
 stage bench_fork_attention - bench_fork_attention
 
 # ---- model stages (megatron-core from the wheels)
 stage rescoring megatron.core bench_rescoring
+stage delta_noise megatron.core bench_delta_noise
 stage ppo_step megatron.core,transformers "$PY" tools/gpu_model_stages.py ppo --model-dir "$WORK/model" $TINY \
   --json "$WORK/ppo_step.json"
 stage local_engine megatron.core,transformers "$PY" tools/gpu_model_stages.py engine $TINY \
   --json "$WORK/local_engine.json"
 
-# ---- what comes back: summary.json, stages.log, the benchmark JSONs (8 files at most)
-for f in bench_logprob bench_divergence bench_fork_attention bench_rescoring ppo_step local_engine; do
+# ---- what comes back: summary.json, stages.log, bench.tar.gz (the run's opid-bench JSONs), ppo_step.json,
+# local_engine.json (8 files at most)
+for f in ppo_step local_engine; do
   [ -f "$WORK/$f.json" ] && cp "$WORK/$f.json" "$OUT_DIR/$f.json"
 done
-"$PY" tools/gpu_check.py summary "$STAGES" "$WORK" "$OUT_DIR/summary.json" "$BUDGET" $([ $DRY -eq 1 ] && echo --dry-run)
+compgen -G "$WORK/$RUN/*.json" > /dev/null && tar czf "$OUT_DIR/bench.tar.gz" -C "$WORK" "$RUN"
+"$PY" tools/gpu_check.py summary "$STAGES" "$WORK" "$OUT_DIR/summary.json" "$BUDGET" "$RUN" \
+  $([ $DRY -eq 1 ] && echo --dry-run)
 exit "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["exit_status"])' "$OUT_DIR/summary.json" \
   2> /dev/null || echo 1)"

@@ -5,9 +5,9 @@
     ppo     one PPO step of the trainer's Policy (megatron-core + DDP + optimizer, no checkpoints; training attention
             through the model, so it takes the varlen path opid_mega.megatron.attention picks): a warm-up step
             (kernel compilation), then one timed step on the same mini-batch; figures: step seconds, tokens/s, model
-            TFLOP/s (6 x params x tokens), peak memory, loss, grad norm, first-mini-batch approx KL (0 when old =
-            current log-probs), the attention backend. The Policy reads its weights from an HF directory, written
-            once under --model-dir.
+            TFLOP/s (`ppo_flops`: the FLOPs of the rows actually computed), peak memory, loss, grad norm,
+            first-mini-batch approx KL (0 when old = current log-probs), the attention backend. The Policy reads its
+            weights from an HF directory, written once under --model-dir.
     engine  the local rollout engine (HF transformers; SGLang cannot be carried to the device) on an in-memory model:
             sampled rollouts, tokens/s; then the log-probs of the same tokens from the trainer's forward (megatron
             model chunks, forward only: no DDP, no optimizer, nothing written) and from a high-precision reference
@@ -66,6 +66,20 @@ def random_qwen3(shape: dict, dtype: str):
         model.model.rotary_emb = Qwen3RotaryEmbedding(config=config)
     model.generation_config.eos_token_id = [151645, 151643]
     return model
+
+
+def ppo_flops(shape: dict, samples: int, prompt: int, response: int) -> float:
+    """Model FLOPs of one PPO step over `samples` sequences of prompt + response tokens: forward and backward
+    (3 x the forward) of what is computed -- every token through the layers (linear layers, causal attention), the
+    LM head only on the scored rows (the response tokens; opid_mega.megatron.model computes log-probs there only).
+    The forward is `opid_mega.bench.scoring.scoring_flops`'s count."""
+    from opid_mega.bench.scoring import scoring_flops
+
+    dims = {"hidden": shape["hidden_size"], "layers": shape["num_hidden_layers"], "ffn": shape["intermediate_size"],
+            "heads": shape["num_attention_heads"], "kv_heads": shape["num_key_value_heads"],
+            "head_dim": shape["head_dim"], "vocab": VOCAB}
+    forward, _ = scoring_flops(dims, [prompt + response] * samples, [], resp_rows=samples * response)
+    return 3 * forward
 
 
 def _sync():
@@ -143,9 +157,11 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
     step_s = time.perf_counter() - t0
     tokens = S * (P + R)
     N = sum(p.numel() for c in policy.chunks for p in c.parameters())
-    out = {"model_params": N, "dtype": dtype, "samples": S, "tokens": tokens, "micro_batch_tokens": mbt,
-           "warmup_step_s": round(warm_s, 3), "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
-           "model_tflops": round(6 * N * tokens / step_s / 1e12, 3), "attention_backend": attention_backend(),
+    flops = ppo_flops(shape, S, P, R)
+    out = {"model_params": N, "dtype": dtype, "samples": S, "tokens": tokens, "scored_rows": S * R,
+           "micro_batch_tokens": mbt, "warmup_step_s": round(warm_s, 3), "step_s": round(step_s, 4),
+           "tokens_per_s": round(tokens / step_s, 1), "model_tflop": round(flops / 1e12, 3),
+           "model_tflops": round(flops / step_s / 1e12, 3), "attention_backend": attention_backend(),
            "kernel_backend": kernel_backend(cfg.scoring.kernel_backend),
            "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
            "approx_kl_first_warmup": first.get("approx_kl_first")}

@@ -1,5 +1,12 @@
-"""Fork attention alone (scoring forward): ours vs dense-mask SDPA, its torch.compile, and FlexAttention with the
-same fork block mask. Layout: G groups, each a shared prefix then B branches that never see each other."""
+"""Fork attention alone (scoring forward): ours vs the naive scorer's per-sequence attention, dense-mask SDPA, its
+torch.compile, and FlexAttention with the same fork block mask. Layout: G groups, each a shared prefix then B branches
+that never see each other.
+
+The SDPA peers get what SDPA's fused kernels need: 4-D [batch, heads, tokens, head_dim] tensors, contiguous, the
+key/value heads expanded to the query heads (prepared once, outside the timed call), so on a GPU they run a fused
+kernel (flash / memory-efficient), not the math fallback. The per-sequence peer is the naive scorer's attention as
+one batched call: every branch its own causal sequence [prefix || branch] ([G·B, heads, P + L, head_dim]). Its FLOPs
+(`per_sequence_pairs`) are the case's `peer_flops`: the ratio to ours is the most the fork layout can save."""
 from __future__ import annotations
 
 import math
@@ -10,6 +17,7 @@ import torch.nn.functional as F
 from opid_mega.kernels import build_fork_metadata, fork_attention, fork_attention_mask, fork_attention_reference
 
 from .core import Case, Method, Preset, interpreter_enabled, max_abs
+from .roofline import fork_attention_steps
 
 INTERPRETER_MAX_TOKENS = 256  # the Triton interpreter runs every program instance in Python
 
@@ -27,6 +35,12 @@ def attended_pairs(groups: int, prefix: int, branches: int, branch_tokens: int) 
     """(query, key) pairs the fork rule allows: each prefix causally once, each branch over prefix + itself."""
     p, L = prefix, branch_tokens
     return groups * (p * (p + 1) // 2 + branches * (L * p + L * (L + 1) // 2))
+
+
+def per_sequence_pairs(groups: int, prefix: int, branches: int, branch_tokens: int) -> int:
+    """(query, key) pairs of the naive scorer's attention: each branch a causal sequence of P + L tokens."""
+    n = prefix + branch_tokens
+    return groups * branches * n * (n + 1) // 2
 
 
 def _reference(q, k, v, cu, bid):
@@ -76,28 +90,29 @@ def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
     scale = 1.0 / math.sqrt(d)
     rep = hq // hkv
 
+    # the SDPA peers' inputs, prepared once: 4-D, contiguous, key/value heads expanded to the query heads
+    q4, k4, v4 = (x.repeat_interleave(r, 1).transpose(0, 1).unsqueeze(0).contiguous()
+                  for x, r in ((q, 1), (k, rep), (v, rep)))
+    mask = fork_attention_mask(cu, bid)
+    per = prefix + branches * branch_tokens
+    seq_rows = torch.stack([torch.cat([torch.arange(g * per, g * per + prefix),
+                                       torch.arange(g * per + prefix + b * branch_tokens,
+                                                    g * per + prefix + (b + 1) * branch_tokens)])
+                            for g in range(groups) for b in range(branches)]).to(q.device)  # [G*B, P+L]
+    qs, ks, vs = (x[0].transpose(0, 1)[seq_rows].transpose(1, 2).contiguous() for x in (q4, k4, v4))
+
     def dense():
-        mask = fork_attention_mask(cu, bid)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
-                                             v.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1)
 
     def per_sequence():
-        """The naive scorer's attention: every branch is its own causal sequence [prefix || branch], so each branch
-        re-reads (and recomputes) the prefix; the prefix rows come from the first branch's pass."""
+        """The naive scorer's attention: every branch its own causal sequence [prefix || branch], all in one batched
+        SDPA call; each branch re-reads (and recomputes) the prefix; the prefix rows come from the first branch's."""
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(1, 2)  # [G*B, P+L, ..]
         out = torch.empty_like(q)
-        per = prefix + branches * branch_tokens
-        for grp in range(groups):
-            base = grp * per
-            for b in range(branches):
-                s = base + prefix + b * branch_tokens
-                idx = torch.cat([torch.arange(base, base + prefix), torch.arange(s, s + branch_tokens)]).to(q.device)
-                o = F.scaled_dot_product_attention(q[idx].transpose(0, 1), k[idx].repeat_interleave(rep, 1)
-                                                   .transpose(0, 1), v[idx].repeat_interleave(rep, 1).transpose(0, 1),
-                                                   is_causal=True, scale=scale).transpose(0, 1)
-                if b == 0:
-                    out[base:base + prefix] = o[:prefix]
-                out[s:s + branch_tokens] = o[prefix:]
+        out[seq_rows[:, prefix:].reshape(-1)] = o[:, prefix:].reshape(-1, hq, d)
+        first = torch.arange(0, groups * branches, branches, device=q.device)  # each group's first branch
+        out[seq_rows[first, :prefix].reshape(-1)] = o[first, :prefix].reshape(-1, hq, d)
         return out
 
     rows = []
@@ -128,8 +143,24 @@ def _case(preset: Preset, dtype_name: str, device, compile_peers) -> Case:
     pairs = attended_pairs(groups, prefix, branches, branch_tokens)
     shape = {"N": n, "groups": groups, "prefix": prefix, "branches": branches, "branch_tokens": branch_tokens,
              "heads": hq, "kv_heads": hkv, "head_dim": d, "attended_pairs": pairs}
+
+    def roofline():
+        block_m, block_n = kernel_tiles()
+        return ({"BLOCK_M": block_m, "BLOCK_N": block_n},
+                fork_attention_steps(meta.cu_seqlens.tolist(), meta.prefix_end.tolist(), meta.seg_start.tolist(), hq,
+                                     hkv, d, q.element_size(), block_m, block_n))
+    peer_flops = 4 * per_sequence_pairs(groups, prefix, branches, branch_tokens) * hq * d
     return Case(f"fwd {dtype_name}", shape, dtype_name, 4 * pairs * hq * d, rows,
-                lambda out: {"out": max_abs(out, ref)})
+                lambda out: {"out": max_abs(out, ref)}, roofline=roofline,
+                extra={"per_sequence_flops": peer_flops,
+                       "flop_ratio_per_sequence": round(peer_flops / (4 * pairs * hq * d), 4)})
+
+
+def kernel_tiles() -> tuple:
+    """(BLOCK_M, BLOCK_N) the Triton fork-attention kernel ran with last (autotuned on a GPU)."""
+    from opid_mega.kernels import fork_attention_triton
+
+    return fork_attention_triton.tiles()
 
 
 OPS = {

@@ -13,7 +13,10 @@ import os
 import sys
 import time
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+REEXEC_ENV = "OPID_BENCH_REEXEC"
+DEFAULT_REPEATS = 5
+
+
 def markers(run_dir: str) -> tuple:
     """The comment lines around a run's tables in a markdown file, named by the run's folder (docs/bench/ci -> ci),
     so one file holds the tables of several runs (CPU, GPU)."""
@@ -22,7 +25,7 @@ def markers(run_dir: str) -> tuple:
 
 
 # The modules of opid-bench's ops; each defines OPS = {name: (what it measures, cases(preset, device, compile_peers))}.
-OP_MODULES = ("heads", "attention", "scoring", "systems")
+OP_MODULES = ("heads", "attention", "scoring", "noise", "systems")
 # Benchmarks that still live in their own scripts (their own presets and JSON), listed so that `list` shows them
 # until an op of the same name exists.
 SCRIPTS = {
@@ -57,18 +60,17 @@ def _gpu_present(device_arg) -> bool:
 
 
 def _reexec(device_arg):
-    """Run under MALLOC_MMAP_THRESHOLD_ (CPU memory figures follow live tensors) and, without a GPU, with the Triton
-    interpreter on so that Triton rows (ours, Liger) can run on CPU where their shapes allow."""
-    if os.environ.get(MMAP_ENV) is not None or not sys.platform.startswith("linux"):
+    """Without a GPU, run again with the Triton interpreter on (it must be set before triton is imported) so that
+    Triton rows (ours, Liger) can run on CPU where their shapes allow."""
+    if os.environ.get(REEXEC_ENV) or _gpu_present(device_arg) or "TRITON_INTERPRET" in os.environ:
         return
-    env = dict(os.environ, **{MMAP_ENV: "65536"})
-    if not _gpu_present(device_arg):
-        env.setdefault("TRITON_INTERPRET", "1")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{REEXEC_ENV: "1"})
     os.execve(sys.executable, [sys.executable, "-m", "opid_mega.bench.cli"] + sys.argv[1:], env)
 
 
-def run_op(op: str, preset_name: str, repeats: int = 1, device: str = None, compile_peers: bool = True,
-           log=print) -> dict:
+def run_op(op: str, preset_name: str, repeats: int = DEFAULT_REPEATS, device: str = None,
+           compile_peers: bool = True, log=print, **options) -> dict:
+    """One op's result; `options` go to its cases function (delta_noise: advantages, lam)."""
     import torch
     from .core import get_preset, load_average, op_result, run_case
     ops = _ops()
@@ -78,8 +80,8 @@ def run_op(op: str, preset_name: str, repeats: int = 1, device: str = None, comp
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     load_before = load_average()
     t0 = time.time()
-    cases = [run_case(c, dev, repeats, log) for c in ops[op][1](preset, dev, compile_peers)]
-    return op_result(op, preset, dev, cases, time.time() - t0, load_before)
+    cases = [run_case(c, dev, repeats, log) for c in ops[op][1](preset, dev, compile_peers, **options)]
+    return op_result(op, preset, dev, cases, time.time() - t0, load_before, repeats)
 
 
 def _write(path: str, result: dict):
@@ -144,16 +146,22 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="ci", choices=list(PRESETS),
                     help="shapes: tiny (tests), ci (Qwen2.5-0.5B, 2 CPU cores), 7b (Qwen2.5-7B, one TP rank), "
                          "32b (Qwen2.5-32B, one of 4 TP ranks)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (median; default 1 tiny/ci, 3)")
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                    help=f"timed calls per row: median, min and max (default {DEFAULT_REPEATS})")
     ap.add_argument("--json", default=None, help="OP: write the result here")
     ap.add_argument("--json-dir", default=None, help="all: write OP.json for every op here")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers (their compile time)")
+    ap.add_argument("--advantages", default=None,
+                    help="delta_noise: a run's dumped advantages (logging.dump_advantages=true): its |λΔ| beside the "
+                         "noise")
+    ap.add_argument("--lam", type=float, default=None,
+                    help="delta_noise: λ of that run (default: algo.lambda_* of the config.yaml beside the file)")
     ap.add_argument("--markdown", default=None, help="report: replace the tables between the markers in this file")
     ap.add_argument("--check", action="store_true", help="report: exit 1 when --markdown's tables differ")
     args = ap.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
+    if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.op == "list":
         for name, (what, _) in _ops().items():
@@ -177,17 +185,22 @@ def main(argv=None) -> int:
         ap.error(f"unknown op {unknown[0]!r}{hint}; ops: {', '.join(names)}")
     if args.op == "all" and args.json:
         ap.error("all writes one file per op: use --json-dir")
+    if (args.advantages or args.lam is not None) and "delta_noise" not in ops:
+        ap.error("--advantages and --lam are delta_noise's")
+    if args.advantages and not os.path.exists(args.advantages):
+        ap.error(f"--advantages: no such file {args.advantages}")
     _reexec(args.device)
     import torch
     from .core import table
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (1 if args.preset in ("tiny", "ci") else 3)
+    repeats = args.repeats
     t0 = time.time()
     for op in ops:
         print(f"== {op} (preset {args.preset})", flush=True)
+        options = {"advantages": args.advantages, "lam": args.lam} if op == "delta_noise" else {}
         result = run_op(op, args.preset, repeats, args.device, not args.no_compile,
-                        log=lambda s: print(s, flush=True))
+                        log=lambda s: print(s, flush=True), **options)
         print(table(result), flush=True)
         path = args.json if args.op != "all" else (os.path.join(args.json_dir, f"{op}.json") if args.json_dir
                                                       else None)

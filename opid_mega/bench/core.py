@@ -2,26 +2,34 @@
 
 Schema of one op's result (what `--json` writes):
   {"op", "preset", "model": {preset shapes}, "machine": {...}, "versions": {...}, "load": {"before", "after"},
-   "wall_s", "cases": [case, ...]}
-  case = {"name", "shape": {...}, "dtype", "flops", "bound_s", "methods": [method, ...]}
-  method = {"name", "role": "ours"|"peer", "runs_as", "seconds", "peak_bytes", "error": {output: max abs error vs
-            the float64 reference}, "ratio_to_bound"} or {"name", "role", "skipped": "one-line reason"}.
+   "wall_s", "repeats", "cases": [case, ...]}
+  case = {"name", "shape": {...}, "dtype", "flops", "bound_s", "roofline": {...} | absent, "methods": [method, ...]}
+  method = {"name", "role": "ours"|"peer", "runs_as", "seconds", "seconds_min", "seconds_max", "repeats",
+            "peak_bytes", "error": {output: max abs error vs the float64 reference}, "ratio_to_bound",
+            "ratio_to_roofline" (ours, where the case has a roofline)} or {"name", "role", "skipped": "reason"}.
 The bound of a case is its FLOPs at this machine's measured matmul rate for the case dtype (the time the
 unavoidable matmul work alone would take); `ratio_to_bound` = seconds / bound_s (1.0 = as fast as that matmul).
 A case without FLOPs may give `copy_bytes` instead (bytes it must copy at least once: bound = copy_bytes at this
 machine's measured memcpy rate, the case says so in "bound_kind": "copy"); with neither, bound_s and
 ratio_to_bound are null. A case of host-side work (`device="cpu"`) is timed and metered on the CPU whatever the
 op's device.
-Peak memory: extra bytes of one call beyond what existed before it, minus the gradients it returns (fwd+bwd).
-  CUDA: max_memory_allocated after reset_peak_memory_stats. CPU: VmHWM - VmRSS of this process (opid-bench runs with
-  MALLOC_MMAP_THRESHOLD_=65536 so freed tensor buffers go back to the OS and RSS follows live tensors).
-Timing: one warm-up call (compilation), one call under the memory meter, then the median of `repeats` calls.
+Roofline (`roofline.py`): where a case gives one, the FLOPs and bytes of each launch of OUR kernel's chosen
+configuration (chunk widths, tiles) and the time they predict at the measured matmul rate and memory bandwidth;
+`ratio_to_roofline` = seconds / that time.
+Peak memory (`PeakMeter`): extra bytes allocated by one call beyond what existed before it, minus the gradients it
+returns (fwd+bwd). CUDA: max_memory_allocated after reset_peak_memory_stats. CPU: the peak of torch's CPU allocator
+(its running total, read from the profiler's allocation events) plus the peak of tracemalloc (numpy arrays, Python
+objects); every allocation counts, however small or brief, so a call that allocates reads more than 0.
+Timing: one warm-up call (compilation, autotuning), one call under the memory meter, then `repeats` timed calls:
+their median ("seconds"), min and max.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -130,12 +138,36 @@ def interpreter_enabled() -> bool:
 # ------------------------------------------------------------------------------------------------------------------
 # measurement
 # ------------------------------------------------------------------------------------------------------------------
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} missing from /proc/self/status")
+def _cpu_allocator_peak(prof) -> int:
+    """Peak of torch's CPU allocator over a profiled block, relative to its total before the block: the profiler's
+    allocation events (alloc_size < 0: a free) carry the allocator's running total."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append(e)
+    if not events:
+        return 0
+    events.sort(key=lambda e: e.start_time_ns)
+    base = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size
+    return max(0, max(e.extra_fields.total_allocated for e in events) - base)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null (the profiler's start and stop write two log lines there on every use)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 class PeakMeter:
@@ -150,18 +182,35 @@ class PeakMeter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.before = _status_bytes("VmRSS")
+            return self
+        import tracemalloc
+        from torch.profiler import ProfilerActivity, profile
+
+        # the profiler outside tracemalloc's window: its own Python objects (the event tree it builds at exit) are
+        # not the call's
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
+        self._tracing = tracemalloc.is_tracing()
+        if not self._tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        self.before = tracemalloc.get_traced_memory()[0]
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.before
-        else:
-            self.peak = _status_bytes("VmHWM") - self.before
+            return False
+        import tracemalloc
+
+        python_peak = tracemalloc.get_traced_memory()[1] - self.before
+        if not self._tracing:
+            tracemalloc.stop()
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
+        self.peak = _cpu_allocator_peak(self._prof) + max(0, python_peak)
         return False
 
 
@@ -170,8 +219,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_call(call: Callable, device: torch.device, repeats: int, grad_bytes: int = 0):
-    """Warm-up, one metered call, `repeats` timed calls. Returns (median seconds, peak bytes, metered result)."""
+def time_call(call: Callable, device: torch.device, repeats: int, grad_bytes: int = 0) -> dict:
+    """Warm-up, one metered call, `repeats` timed calls: {"seconds" (median), "seconds_min", "seconds_max",
+    "repeats", "peak_bytes", "result" (of the metered call)}."""
     call()
     _sync(device)
     with PeakMeter(device) as meter:
@@ -184,35 +234,41 @@ def time_call(call: Callable, device: torch.device, repeats: int, grad_bytes: in
         _sync(device)
         times.append(time.perf_counter() - t0)
         del out
-    return statistics.median(times), max(0, meter.peak - grad_bytes), result
+    return {"seconds": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
+            "repeats": repeats, "peak_bytes": max(0, meter.peak - grad_bytes), "result": result}
 
 
 _RATES: dict = {}
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, size: int = 0) -> float:
-    """FLOP/s of one [size, size] x [size, size] matmul at `dtype` on this machine (measured once per run). Default
-    size: 8192 on a GPU (a 1024^3 matmul is a few microseconds there, launch-bound, far below the GPU's rate, which
-    would make every bound look easy), 1024 on CPU (where it already runs at the cores' rate)."""
+    """FLOP/s of one [size, size] x [size, size] matmul at `dtype` on this machine (measured once per run, the median
+    of 5). Default size: 8192 on a GPU (a 1024^3 matmul is a few microseconds there, launch-bound, far below the
+    GPU's rate, which would make every bound look easy), 1024 on CPU (where it already runs at the cores' rate)."""
     size = size or (8192 if device.type == "cuda" else 1024)
     key = (dtype, device.type)
     if key not in _RATES:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        seconds, _, _ = time_call(lambda: a @ b, device, repeats=3)
-        _RATES[key] = 2 * size ** 3 / max(seconds, 1e-9)
+        _RATES[key] = 2 * size ** 3 / max(time_call(lambda: a @ b, device, repeats=5)["seconds"], 1e-9)
     return _RATES[key]
 
 
-def copy_rate(device: torch.device, size: int = 1 << 26) -> float:
-    """Bytes/s of copying one 64 MiB buffer into another on this machine (measured once per run)."""
+def copy_rate(device: torch.device) -> float:
+    """Bytes/s of copying one buffer into another on this machine (measured once per run, the median of 5): 64 MiB
+    on CPU, 1 GiB on a GPU (far beyond its L2 cache)."""
+    size = (1 << 30) if device.type == "cuda" else (1 << 26)
     key = ("copy", device.type)
     if key not in _RATES:
         a = torch.ones(size, dtype=torch.uint8, device=device)
         b = torch.empty_like(a)
-        seconds, _, _ = time_call(lambda: b.copy_(a), device, repeats=3)
-        _RATES[key] = size / max(seconds, 1e-9)
+        _RATES[key] = size / max(time_call(lambda: b.copy_(a), device, repeats=5)["seconds"], 1e-9)
     return _RATES[key]
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes/s moved to and from memory (a copy reads and writes each byte: twice `copy_rate`)."""
+    return 2 * copy_rate(device)
 
 
 def max_abs(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -247,9 +303,14 @@ class Case:
     extra: dict = field(default_factory=dict)
     copy_bytes: float = 0          # no FLOPs: bytes it must copy at least once (the bound at the memcpy rate)
     device: Optional[str] = None   # "cpu": host-side work, timed and metered on the CPU
+    # () -> (config dict, [roofline.Step]): our kernel's chosen configuration, called after the rows ran (autotuned
+    # tiles are known then)
+    roofline: Optional[Callable] = None
 
 
 def run_case(case: Case, device: torch.device, repeats: int, log=print) -> dict:
+    from .roofline import predict
+
     device = torch.device(case.device) if case.device else device
     bound = case.flops / matmul_rate(getattr(torch, case.dtype), device) if case.flops else None
     out = {"name": case.name, "shape": case.shape, "dtype": case.dtype, "flops": case.flops,
@@ -261,9 +322,9 @@ def run_case(case: Case, device: torch.device, repeats: int, log=print) -> dict:
         row = {"name": m.name, "role": m.role, "runs_as": m.runs_as}
         if m.skipped is None:
             try:
-                seconds, peak, result = time_call(m.call, device, repeats, case.grad_bytes)
-                row.update(seconds=seconds, peak_bytes=peak, error=case.error(result),
-                           ratio_to_bound=seconds / bound if bound else None)
+                timed = time_call(m.call, device, repeats, case.grad_bytes)
+                result = timed.pop("result")
+                row.update(timed, error=case.error(result), ratio_to_bound=timed["seconds"] / bound if bound else None)
                 del result
             except Exception as exc:  # noqa: BLE001 - a peer that fails here is a skipped row with its reason
                 row["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -271,13 +332,21 @@ def run_case(case: Case, device: torch.device, repeats: int, log=print) -> dict:
             row["skipped"] = m.skipped
         out["methods"].append(row)
         log(f"  {case.name} {m.name}: " + (f"{row['seconds']:.4f} s" if "seconds" in row else row["skipped"]))
+    if case.roofline is not None:
+        config, steps = case.roofline()
+        rl = out["roofline"] = {"config": config, **predict(steps, matmul_rate(getattr(torch, case.dtype), device),
+                                                            bandwidth(device))}
+        for row in out["methods"]:
+            if row["role"] == "ours" and "seconds" in row:
+                row["ratio_to_roofline"] = row["seconds"] / rl["bound_s"]
     return out
 
 
-def op_result(op: str, preset: Preset, device: torch.device, cases: list, wall: float, load_before) -> dict:
+def op_result(op: str, preset: Preset, device: torch.device, cases: list, wall: float, load_before,
+              repeats: int) -> dict:
     return {"op": op, "preset": preset.name, "model": preset.as_dict(), "machine": machine(device),
             "versions": versions(), "load": {"before": load_before, "after": load_average()},
-            "wall_s": round(wall, 2), "cases": cases}
+            "wall_s": round(wall, 2), "repeats": repeats, "cases": cases}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -291,35 +360,60 @@ def _err(error: dict) -> str:
     return " ".join(f"{k} {v:.1e}" for k, v in error.items())
 
 
+def _time(m: dict) -> str:
+    spread = f" ({m['seconds_min']:.4f}–{m['seconds_max']:.4f})" if m.get("repeats", 1) > 1 else ""
+    return f"{m['seconds']:.4f}{spread}"
+
+
+def _config(config: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in config.items())
+
+
 def table(result: dict, markdown: bool = False) -> str:
-    """One table per op: per case and row, time, speed of ours relative to the row (row time / ours time), peak
-    memory and memory ratio (ours / row), max error vs float64, ratio to the bound. Skipped rows give the reason."""
-    head = ["case", "method", "runs as", "time s", "ours ×faster", "peak MiB", "mem ours/row", "err vs float64",
-            "× bound"]
-    rows = []
+    """One table per op: per case and row, time (median of the timed repeats, min–max), speed of ours relative to
+    the row (row time / ours time), peak memory and memory ratio (ours / row), max error vs float64, ratio to the
+    bound and to our roofline. Skipped rows give the reason. Then, where cases have one, the roofline of our chosen
+    configuration per case: FLOPs, bytes, the predicted time and what limits it; then the cases' notes (once each)."""
+    head = ["case", "method", "runs as", "time s (min–max)", "ours ×faster", "peak MiB", "mem ours/row",
+            "err vs float64", "× bound", "× roofline"]
+    rows, roof, notes = [], [], []
     for case in result["cases"]:
+        notes += [n for n in case.get("notes", []) if n not in notes]
         ran = [m for m in case["methods"] if "seconds" in m]
         ours = next((m for m in ran if m["role"] == "ours"), None)
         for m in case["methods"]:
             label = f"{m['name']} (ours)" if m["role"] == "ours" else m["name"]
             if "skipped" in m:
-                rows.append([case["name"], label, m["runs_as"], "skipped: " + m["skipped"], "", "", "", "", ""])
+                rows.append([case["name"], label, m["runs_as"], "skipped: " + m["skipped"]] + [""] * 6)
                 continue
             faster = ours["seconds"] / m["seconds"] if ours and m is not ours else None
             mem = ours["peak_bytes"] / m["peak_bytes"] if ours and m is not ours and m["peak_bytes"] > 0 else None
-            rows.append([case["name"], label, m["runs_as"], _fmt(m["seconds"], ".4f"),
-                         _fmt(1 / faster if faster else None, ".2f"), _fmt(m["peak_bytes"] / 2 ** 20, ".1f"),
-                         _fmt(mem, ".3f"), _err(m["error"]), _fmt(m["ratio_to_bound"], ".1f")])
+            rows.append([case["name"], label, m["runs_as"], _time(m), _fmt(1 / faster if faster else None, ".2f"),
+                         _fmt(m["peak_bytes"] / 2 ** 20, ".1f"), _fmt(mem, ".3f"), _err(m["error"]),
+                         _fmt(m["ratio_to_bound"], ".1f"), _fmt(m.get("ratio_to_roofline"), ".1f")])
+        if case.get("roofline"):
+            rl = case["roofline"]
+            roof.append([case["name"], _config(rl["config"]), f"{rl['flops'] / 1e9:.3g}",
+                         f"{rl['bytes'] / 2 ** 20:.4g}", f"{rl['bound_s'] * 1e3:.4g}", rl["limit"]])
     m = result["model"]
     title = (f"{result['op']} — preset {result['preset']} ({m['model']}: hidden {m['hidden']}, vocab "
              f"{m['vocab']} ({m['vocab_per_rank']}/rank), heads {m['heads']}/{m['kv_heads']} kv, head dim "
-             f"{m['head_dim']}, TP {m['tp']}); {result['machine']['device']}, {result['machine']['torch_threads']} "
-             f"threads, load {result['load']['before']} -> {result['load']['after']}, wall {result['wall_s']} s")
+             f"{m['head_dim']}, TP {m['tp']}); {result['machine'].get('gpu') or result['machine']['device']}, "
+             f"{result['machine']['torch_threads']} "
+             f"threads, {result.get('repeats', 1)} timed repeats, load {result['load']['before']} -> "
+             f"{result['load']['after']}, wall {result['wall_s']} s")
+    roof_head = ["case", "our configuration", "GFLOP", "MiB moved", "roofline ms", "limit"]
     if markdown:
         lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
+        if roof:
+            lines += ["", "| " + " | ".join(roof_head) + " |", "|" + "---|" * len(roof_head)]
+            lines += ["| " + " | ".join(r) + " |" for r in roof]
+        lines += [""] + [f"- {n}" for n in notes] if notes else []
         return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    widths = [min(w, 60) for w in widths]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([title, line(head)] + [line(r) for r in rows])
+
+    def block(hd, rs):
+        widths = [min(60, max(len(h), *(len(r[i]) for r in rs)) if rs else len(h)) for i, h in enumerate(hd)]
+        return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [hd] + rs]
+    return "\n".join([title] + block(head, rows) + (["roofline of our configuration:"] + block(roof_head, roof)
+                                                      if roof else []) + notes)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 from opid_mega.kernels import dual_context_divergence, fused_logprobs, naive_divergence, naive_logprobs
+from opid_mega.kernels.logprob import triton_chunk_columns
 
 from .core import Case, Method, Preset, interpreter_enabled, max_abs, rel_max
+from .roofline import divergence_steps, logprob_steps
 
 # The Triton interpreter runs every program instance in Python: on CPU only cases this small run through it.
 INTERPRETER_MAX_ELEMENTS = 100_000
@@ -115,8 +117,12 @@ def _logprob_case(n, h, v, dtype_name, pass_, device, compile_peers, entropy: bo
         lambda hh, ww: -fn.apply(hh, ww, targets, None, None, -100, 0.0, 0.0, "none")[0].float()), skip))
     grad_bytes = (n * h + v * h) * hidden.element_size() if backward else 0
     shape = {"N": n, "H": h, "V": v, **({"entropy": True} if entropy else {})}
+    cols = triton_chunk_columns(n, v)
+    kept = 1 if backward else 0
+    config = {"chunk columns": cols, "chunks": -(-v // cols), "kept for the backward": kept}
     return Case(f"{pass_} {dtype_name}" + (" +entropy" if entropy else ""), shape, dtype_name,
-                (6 if backward else 2) * n * h * v, rows, error, grad_bytes)
+                (6 if backward else 2) * n * h * v, rows, error, grad_bytes,
+                roofline=lambda: (config, logprob_steps(n, h, v, hidden.element_size(), cols, backward, kept)))
 
 
 def divergence_cases(preset: Preset, device: torch.device, compile_peers: bool = True) -> list:
@@ -198,8 +204,12 @@ def _divergence_case(n, h, v, dtype_name, device, compile_peers, topk: int = 0) 
         lambda hs, ho, ww: fn.apply(ho, ww, hs, ww.detach(), None, 0.0, -100, 1.0)), skip))
     grad_bytes = (n * h + v * h) * h_orig.element_size()
     shape = {"N": n, "H": h, "V": v, **({"topk": topk} if topk else {})}
-    return Case(f"fwd+bwd {dtype_name}" + (f" top-{topk}" if topk else ""), shape, dtype_name, 10 * n * h * v,
-                rows, error, grad_bytes)
+    cols = triton_chunk_columns(2 * n, v)
+    config = {"chunk columns": cols, "chunks": -(-v // cols), "kept for the backward": 1}
+    # FLOPs: both contexts' logits (4NHV) and the two gradient GEMMs through the original ones (4NHV)
+    return Case(f"fwd+bwd {dtype_name}" + (f" top-{topk}" if topk else ""), shape, dtype_name, 8 * n * h * v,
+                rows, error, grad_bytes,
+                roofline=lambda: (config, divergence_steps(n, h, v, h_orig.element_size(), cols, topk, True)))
 
 
 OPS = {

@@ -26,7 +26,7 @@ def _rows(case: dict) -> dict:
 
 def _timed_row(case: dict, m: dict) -> None:
     assert "skipped" not in m, m
-    assert m["seconds"] > 0 and m["peak_bytes"] >= 0
+    assert m["seconds"] > 0 and m["peak_bytes"] > 0
     if case["bound_s"] is None:
         assert m["ratio_to_bound"] is None
     else:

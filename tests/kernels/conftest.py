@@ -16,11 +16,12 @@ def device():
 
 @pytest.fixture
 def shrink_tiles(monkeypatch):
-    """shrink_tiles(module, bwd_chunk): under the interpreter, small Triton tiles in `module` so small shapes still
-    exercise multi-tile loops (restored after the test); returns the module."""
-    def shrink(module, bwd_chunk: int):
+    """shrink_tiles(module): under the interpreter, small epilogue tiles and column splits in `module` (a `*_triton`
+    kernel module) so small shapes still run multi-tile loops and several splits per chunk (restored after the test;
+    on a GPU the autotuned configurations run); returns the module. Several chunks: the tests' chunk_size."""
+    def shrink(module):
         if not ON_GPU:
-            for name, value in (("BLOCK_N", 16), ("BLOCK_V", 32), ("BLOCK_H", 16), ("BWD_CHUNK", bwd_chunk)):
+            for name, value in (("BLOCK_N", 8), ("BLOCK_V", 16), ("SPLIT", 32)):
                 monkeypatch.setattr(module, name, value)
         return module
     return shrink
@@ -30,7 +31,19 @@ def shrink_tiles(monkeypatch):
 def small_tiles(shrink_tiles):
     import opid_mega.kernels.logprob_triton as lt
 
-    return shrink_tiles(lt, 64)
+    return shrink_tiles(lt)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_tiles(request, monkeypatch):
+    """On a GPU the kernels run the modules' fixed tiles (one compile per flag combination, no tuning run); a test
+    marked `autotune` keeps the autotuner."""
+    if ON_GPU and request.node.get_closest_marker("autotune") is None:
+        import opid_mega.kernels.fork_attention_triton as ft
+        import opid_mega.kernels.logprob_triton as lt
+
+        monkeypatch.setattr(lt, "AUTOTUNE", False)
+        monkeypatch.setattr(ft, "AUTOTUNE", False)
 
 
 @pytest.fixture(autouse=True)

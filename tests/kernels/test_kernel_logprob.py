@@ -141,19 +141,60 @@ def test_backend_resolution(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- Triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_triton_matches_reference(dtype, splits, small_tiles, device, monkeypatch):
-    monkeypatch.setattr(small_tiles, "NUM_SPLITS", splits)
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_triton_matches_reference(dtype, chunk, small_tiles, device):
+    """One chunk of the whole vocabulary (None at these sizes) and four (64 columns), several splits in each."""
     hidden, weight, targets = _inputs(37, 40, 200, dtype, device, seed=11)
     fp32 = dtype == torch.float32
-    _check_against_reference(hidden, weight, targets, backend="triton", entropy=True,
+    _check_against_reference(hidden, weight, targets, backend="triton", entropy=True, chunk_size=chunk,
                              tol_val=1e-5 if fp32 else 2e-5, tol_grad=2e-5 if fp32 else 2e-2)
+
+
+@pytest.mark.parametrize("saved,recomputed", [(0, 4), (None, 3), (1 << 30, 0)])
+def test_triton_backward_recomputes_only_the_chunks_it_did_not_keep(saved, recomputed, small_tiles, device,
+                                                                     monkeypatch):
+    """saved_logits_bytes: 0 recomputes all 4 chunks' logits in the backward, the default keeps the last one, a budget
+    that holds them all recomputes none; the gradients are the float64 reference's every time. fp32 GEMMs counted:
+    one per chunk forward, one per recomputed chunk, one per chunk for grad_hidden (the weight gradient's GEMM writes
+    into its rows directly)."""
+    calls = []
+    real = small_tiles.mm_fp32
+    monkeypatch.setattr(small_tiles, "mm_fp32", lambda a, b: calls.append(a.shape) or real(a, b))
+    hidden, weight, targets = _inputs(19, 24, 200, torch.float32, device, seed=17)
+    _check_against_reference(hidden, weight, targets, backend="triton", entropy=True, chunk_size=64,
+                             saved_logits_bytes=saved, tol_grad=2e-5)
+    assert len(calls) == 4 + recomputed + 4
 
 
 def test_triton_logprob_only_and_single_row(small_tiles, device):
     for n, v in ((1, 7), (17, 130)):
         hidden, weight, targets = _inputs(n, 20, v, torch.float32, device, seed=n)
         _check_against_reference(hidden, weight, targets, backend="triton", entropy=False, tol_grad=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.autotune
+@pytest.mark.skipif(not ON_GPU, reason="the autotuner runs on a GPU only (the interpreter has no timer)")
+def test_autotuned_heads_and_fork_attention_match_the_reference(device):
+    """With the autotuner on (the kernels' production path), at a shape where the tuned tiles differ from the
+    fixed ones: the log-prob head, the divergence head and fork attention still match their float64 references."""
+    from opid_mega.kernels import divergence_reference, dual_context_divergence, fork_attention
+    from opid_mega.kernels.fork_attention import fork_attention_reference
+
+    hidden, weight, targets = _inputs(300, 64, 3000, torch.bfloat16, device, seed=23)
+    _check_against_reference(hidden, weight, targets, backend="triton", entropy=True, chunk_size=1024, tol_val=2e-5,
+                             tol_grad=2e-2)
+    out = dual_context_divergence(hidden.flip(0), hidden, weight, targets, topk=8, backend="triton", chunk_size=1024)
+    ref = divergence_reference(hidden.flip(0).cpu(), hidden.cpu(), weight.cpu(), targets.cpu(), topk=8)
+    scale = float(ref["logp_orig"].abs().max())
+    for k in ("logp_skill", "logp_orig", "kl_skill_orig", "kl_orig_skill", "topk_logp_skill"):
+        assert_close_scaled(out[k], ref[k], rel=2e-5, scale=scale, msg=k)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(700, h, 64, generator=g).to(torch.bfloat16).to(device) for h in (8, 2, 2))
+    cu = torch.tensor([0, 400, 700], dtype=torch.int32, device=device)
+    bid = torch.tensor([0] * 200 + [1] * 120 + [2] * 80 + [0] * 100 + [1] * 200, dtype=torch.int32, device=device)
+    assert_close_scaled(fork_attention(q, k, v, cu, bid, backend="triton"),
+                        fork_attention_reference(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), bid.cpu()), rel=2 * 2 ** -7)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-interpreter dispatch check")
@@ -190,7 +231,7 @@ def _tp_worker(rank, world, init_file, out_dir):
         for backend in _tp_backends():
             if backend == "triton":
                 import opid_mega.kernels.logprob_triton as lt
-                lt.BLOCK_N, lt.BLOCK_V, lt.BLOCK_H, lt.BWD_CHUNK = 16, 32, 16, 64
+                lt.BLOCK_N, lt.BLOCK_V, lt.SPLIT = 8, 16, 32
             h = hidden.clone().requires_grad_()
             w = weight[lo:hi].clone().requires_grad_()
             lp, ent = fused_logprobs(h, w, targets, vocab_start=lo, tp_group=dist.group.WORLD, return_entropy=True,

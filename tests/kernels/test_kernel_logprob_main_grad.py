@@ -35,7 +35,7 @@ def test_logprob_head_weight_grad_goes_to_main_grad_in_fp32(backend, shrink_tile
     if backend == "triton":
         import opid_mega.kernels.logprob_triton as lt
 
-        shrink_tiles(lt, 64)  # several backward chunks at V = 200
+        shrink_tiles(lt)
     hidden, w, targets, g = _param(0)
     hidden, targets = hidden.to(device), targets.to(device)
     w = torch.nn.Parameter(w.detach().to(device))
@@ -48,7 +48,7 @@ def test_logprob_head_weight_grad_goes_to_main_grad_in_fp32(backend, shrink_tile
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
     ref = w64.grad
 
-    lp, ent = fused_logprobs(hidden, w, targets, return_entropy=True, backend=backend)
+    lp, ent = fused_logprobs(hidden, w, targets, return_entropy=True, backend=backend, chunk_size=64)  # 4 chunks
     ((lp.double().cpu() * g_lp).sum() + (ent.double().cpu() * g_ent).sum()).backward()
     assert w.grad.dtype == torch.bfloat16 and not w.grad.any()  # autograd's share: zero
     _ddp_hook(w)
@@ -57,7 +57,7 @@ def test_logprob_head_weight_grad_goes_to_main_grad_in_fp32(backend, shrink_tile
 
     # the same weight without main_grad: the gradient comes back in bf16 (what main_grad received before)
     w_old = torch.nn.Parameter(w.detach().clone())
-    lp, ent = fused_logprobs(hidden, w_old, targets, return_entropy=True, backend=backend)
+    lp, ent = fused_logprobs(hidden, w_old, targets, return_entropy=True, backend=backend, chunk_size=64)
     ((lp.double().cpu() * g_lp).sum() + (ent.double().cpu() * g_ent).sum()).backward()
     err_bf16 = _err(w_old.grad.cpu(), ref)
     # torch path: d logits in fp32; Triton: d logits tiles as two bf16 parts (hi + lo), products accumulated and
@@ -92,7 +92,7 @@ def test_divergence_head_weight_grad_goes_to_main_grad_in_fp32(backend, shrink_t
     if backend == "triton":
         import opid_mega.kernels.dual_context_divergence_triton as dt
 
-        shrink_tiles(dt, 64)
+        shrink_tiles(dt)
     hidden, w, targets, g = _param(2)
     h_skill = torch.randn(N, H, generator=g).bfloat16()
     w = torch.nn.Parameter(w.detach().to(device))
@@ -105,7 +105,8 @@ def test_divergence_head_weight_grad_goes_to_main_grad_in_fp32(backend, shrink_t
     ref_kl = (ls.exp() * (ls - lo)).sum(-1)  # KL(p_skill || p_orig): gradient through the original rows only
     (ref_kl * g_kl).sum().backward()
 
-    out = dual_context_divergence(h_skill.to(device), hidden.to(device), w, targets.to(device), backend=backend)
+    out = dual_context_divergence(h_skill.to(device), hidden.to(device), w, targets.to(device), backend=backend,
+                                  chunk_size=64)
     kl = out["kl_skill_orig"].detach().double().cpu()
     assert float((kl - ref_kl).abs().max()) <= 2e-4 * float(ref_kl.abs().max())
     (out["kl_skill_orig"].double().cpu() * g_kl).sum().backward()
