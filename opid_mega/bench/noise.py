@@ -119,7 +119,9 @@ def _arrangements(chunks, reqs: list, empty: list, one: int) -> list:
 
 def _score(scorer, requests: list) -> list:
     """One ScoreResult per request."""
-    return scorer.score(requests)
+    from opid_mega.scoring.scorer import score_requests
+
+    return score_requests(scorer, requests)
 
 
 def delta_noise_cases(preset: Preset, device: torch.device, compile_peers: bool = True, advantages: str = None,
