@@ -99,12 +99,13 @@ def _measure_parts(cfg, hf_dir):
     """Bytes a real Policy holds after one optimizer step: weights, DDP grad buffer, Adam moments, fp32 master."""
     from opid_mega.megatron.logprobs import Sample
     from opid_mega.megatron.policy import Policy
+    from opid_mega.megatron.logprobs import plain_batches
     from opid_mega.megatron.train_step import train_mini_batch
 
     pol = Policy(cfg, hf_dir)
     toks = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     s = Sample(toks, 20, old_logprobs=[-1.0] * 20, advantages=[0.5] * 20, ref_logprobs=[-1.0] * 20)
-    m = train_mini_batch(pol.ddp, pol.optimizer, [s], 1024, pol.loss_cfg)
+    m = train_mini_batch(pol.ddp, pol.optimizer, plain_batches([s], 1024).batches, pol.loss_cfg)
     assert m["update_ok"] == 1.0
     params = [p for c in pol.chunks for p in c.parameters()]
     weights = sum(p.numel() * p.element_size() for p in params)

@@ -161,7 +161,7 @@ class Policy:
         micro = t.micro_batch_size if self.cfg.algo.loss_agg == "token-mean-micro" else 0
         for idx in minibatch_plan(data.num_samples, t.mini_batch_size, t.ppo_epochs, t.shuffle_minibatches, seed):
             batches = loss_micro_batches(data.subset(idx), t.micro_batch_tokens, dp, rank, micro)
-            m = train_mini_batch(self.ddp, self.optimizer, [], t.micro_batch_tokens, self.loss_cfg, batches=batches)
+            m = train_mini_batch(self.ddp, self.optimizer, batches, self.loss_cfg)
             if first_kl is None:
                 first_kl = m.get("approx_kl", float("nan"))
             for k, v in m.items():

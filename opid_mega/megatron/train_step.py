@@ -25,8 +25,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from opid_mega.algo import distill_loss, kl_penalty, ppo_policy_loss, reference_micro_weights
-from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, forward_step, greedy_micro_batches,
-                                        plain_batches, run_schedule, split_output)
+from opid_mega.megatron.logprobs import (PackedBatch, Sample, compute_logprobs, forward_step, run_schedule,
+                                        split_output)
 
 
 @dataclass
@@ -228,19 +228,14 @@ def _broadcast_from_last_stage(obj):
     return box[0]
 
 
-def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tokens: int,
-                     cfg: LossConfig = LossConfig(), batches: Optional[list[PackedBatch]] = None) -> dict[str, float]:
-    """One optimizer step on this rank's share of a mini-batch: its ``samples`` packed into micro-batches of at most
-    ``micro_tokens`` tokens (:func:`~opid_mega.megatron.logprobs.plain_batches`, the batch builder; their
-    old_logprobs / advantages / ref_logprobs / loss_mask fields ride along), or the micro-batches given as
-    ``batches`` (the trainer's: `opid_mega.megatron.train_batches.TrainData.micro_batches`; ``samples`` is then
-    ignored)."""
+def train_mini_batch(ddp_chunks, optimizer, batches: list[PackedBatch], cfg: LossConfig = LossConfig()) -> dict[str, float]:
+    """One optimizer step on this rank's micro-batches of a mini-batch (`PackedBatch`es carrying old_logprobs /
+    advantages / ref_logprobs / loss_mask: the trainer's come from `opid_mega.megatron.train_batches.TrainData`,
+    a list of `Sample`s gives them through `opid_mega.megatron.logprobs.plain_batches`)."""
     for c in ddp_chunks:
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    if batches is None:
-        batches = plain_batches(samples, micro_tokens).batches  # a DP rank with no samples: one empty batch
     step = partial(forward_step, return_entropy=cfg.entropy_coef > 0, loss_func=partial(ppo_loss_func, cfg=cfg),
                    temperature=cfg.temperature)
     outs = run_schedule(ddp_chunks, batches, step, forward_only=False)
@@ -248,23 +243,6 @@ def train_mini_batch(ddp_chunks, optimizer, samples: Sequence[Sample], micro_tok
     metrics = _broadcast_from_last_stage(_reduce_metrics(outs) if outs else None) or {}
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), update_ok=float(ok))
     return metrics
-
-
-def mini_batches(samples: Sequence[Sample], mini_batch_tokens: int) -> list[list[Sample]]:
-    """Split a rollout batch into mini-batches (one optimizer step each) of about ``mini_batch_tokens`` tokens:
-    consecutive samples, in order (a plan, not a packing: each mini-batch's micro-batches come from
-    :func:`train_mini_batch`)."""
-    return [[samples[i] for i in mb] for mb in greedy_micro_batches([len(s.tokens) for s in samples],
-                                                                   mini_batch_tokens)]
-
-
-def ppo_update(ddp_chunks, optimizer, samples: Sequence[Sample], mini_batch_tokens: int, micro_tokens: int,
-               cfg: LossConfig = LossConfig()) -> list[dict[str, float]]:
-    """One PPO epoch over a rollout batch (the same list on every rank): mini-batches of about
-    ``mini_batch_tokens`` tokens (one optimizer step each), each split over data-parallel ranks and packed into
-    micro-batches of at most ``micro_tokens`` tokens. Returns one metrics dict per optimizer step."""
-    return [train_mini_batch(ddp_chunks, optimizer, dp_shard(mb), micro_tokens, cfg)
-            for mb in mini_batches(samples, mini_batch_tokens)]
 
 
 def dp_shard(items: Sequence) -> list:

@@ -84,7 +84,7 @@ def _run_model(spec, tp, pp, vpp, tag, loss_cfg):
     from transformers import AutoConfig
 
     from opid_mega.megatron import checkpoint, weights
-    from opid_mega.megatron.logprobs import compute_logprobs
+    from opid_mega.megatron.logprobs import compute_logprobs, plain_batches
     from opid_mega.megatron.model import build_model, transformer_config
     from opid_mega.megatron.train_step import (ReferenceWeights, build_optimizer, dp_shard, train_mini_batch,
                                                wrap_ddp)
@@ -118,8 +118,8 @@ def _run_model(spec, tp, pp, vpp, tag, loss_cfg):
         ckpt_dir = os.path.join(out_dir, f"ckpt_{spec['arch']}_{tag}")
         res["metrics"] = []
         for step in range(1, steps + 1):
-            res["metrics"].append(train_mini_batch(ddp, opt, dp_shard(train_samples),
-                                                   spec["micro_tokens"], loss_cfg))
+            res["metrics"].append(train_mini_batch(ddp, opt, plain_batches(dp_shard(train_samples),
+                                                                           spec["micro_tokens"]).batches, loss_cfg))
             if step == 1:
                 res["after_step1"] = weights.hf_state_dict(chunks, hf_cfg)
             if resume and step == spec["resume"]:
@@ -134,8 +134,8 @@ def _run_model(spec, tp, pp, vpp, tag, loss_cfg):
             step0, _ = checkpoint.load(ckpt_dir, ddp2, opt2)
             res["resumed_metrics"] = []
             for step in range(step0 + 1, steps + 1):
-                res["resumed_metrics"].append(train_mini_batch(ddp2, opt2, dp_shard(train_samples),
-                                                               spec["micro_tokens"], loss_cfg))
+                res["resumed_metrics"].append(train_mini_batch(
+                    ddp2, opt2, plain_batches(dp_shard(train_samples), spec["micro_tokens"]).batches, loss_cfg))
             res["resumed_final"] = weights.hf_state_dict(chunks2, hf_cfg)
     return res
 
@@ -150,6 +150,7 @@ def run_killed(spec):
     from transformers import AutoConfig
 
     from opid_mega.megatron import checkpoint, parallel, weights
+    from opid_mega.megatron.logprobs import plain_batches
     from opid_mega.megatron.model import build_model, transformer_config
     from opid_mega.megatron.train_step import LossConfig, build_optimizer, dp_shard, train_mini_batch, wrap_ddp
 
@@ -168,7 +169,7 @@ def run_killed(spec):
     if spec["mode"] == "resume":
         step, _ = checkpoint.load(ckpt_dir, ddp, opt)
     while step < spec["steps"]:
-        train_mini_batch(ddp, opt, samples, spec["micro_tokens"], LossConfig(**spec["loss"]))
+        train_mini_batch(ddp, opt, plain_batches(samples, spec["micro_tokens"]).batches, LossConfig(**spec["loss"]))
         step += 1
         checkpoint.save(ckpt_dir, step, ddp, opt)
         if spec["mode"] == "kill" and step == spec["kill_after"] and dist.get_rank() == 0:

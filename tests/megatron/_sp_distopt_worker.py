@@ -125,6 +125,7 @@ def run_rank(spec):
 
     from opid_mega.megatron import checkpoint, parallel, weights
     from opid_mega.megatron.logprobs import compute_logprobs
+    from opid_mega.megatron.logprobs import plain_batches
     from opid_mega.megatron.train_step import LossConfig, dp_shard, train_mini_batch
 
     t0 = time.monotonic()
@@ -157,7 +158,7 @@ def run_rank(spec):
             r["grads"] = _per_rank(_grads(ddp, samples, mt, loss_cfg))
             grads, kl = _distill_grads(ddp, seqs, lps, 2 * mt, loss_cfg)
             r["distill_grads"], r["distill_kl"] = _per_rank(grads), _per_rank(kl)
-            r["metrics"] = train_mini_batch(ddp, opt, samples, mt, loss_cfg)
+            r["metrics"] = train_mini_batch(ddp, opt, plain_batches(samples, mt).batches, loss_cfg)
             r["after_step"] = weights.hf_state_dict(chunks, hf)
         if dist.get_rank() == 0:
             print(f"[worker] sp {tag} done at {time.monotonic() - t0:.1f}s", flush=True)
@@ -169,7 +170,7 @@ def run_rank(spec):
         hf, chunks, ddp, opt = _build(spec, model, sp, dist_opt, overlap)
         r = results["opt"][name] = {"metrics": []}
         for step in (1, 2):
-            r["metrics"].append(train_mini_batch(ddp, opt, samples, mt, loss_cfg))
+            r["metrics"].append(train_mini_batch(ddp, opt, plain_batches(samples, mt).batches, loss_cfg))
             if step == 1 and name == "distopt":
                 checkpoint.save(ckpt, 1, ddp, opt)
         r["final"] = weights.hf_state_dict(chunks, hf)
@@ -177,7 +178,7 @@ def run_rank(spec):
             hf, chunks, ddp, opt = _build(spec, model, sp, dist_opt, overlap)
             step, _ = checkpoint.load(ckpt, ddp, opt)
             assert step == 1, step
-            r2 = results["opt"]["resumed"] = {"metrics": [train_mini_batch(ddp, opt, samples, mt, loss_cfg)]}
+            r2 = results["opt"]["resumed"] = {"metrics": [train_mini_batch(ddp, opt, plain_batches(samples, mt).batches, loss_cfg)]}
             r2["final"] = weights.hf_state_dict(chunks, hf)
         if dist.get_rank() == 0:
             print(f"[worker] {name} done at {time.monotonic() - t0:.1f}s", flush=True)

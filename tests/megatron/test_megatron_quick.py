@@ -293,7 +293,7 @@ def test_logprobs_and_ppo_forward_at_the_sampling_temperature(mp1, tmp_path):
     entropy) equals a float64 HF log_softmax(logits / T); the PPO training forward uses the same T: with old
     log-probs = the HF reference at T, the first mini-batch has approx-KL 0 and the loss is the PPO loss at T."""
     from opid_mega.algo import ppo_policy_loss
-    from opid_mega.megatron.logprobs import Sample, compute_logprobs
+    from opid_mega.megatron.logprobs import Sample, compute_logprobs, plain_batches
     from opid_mega.megatron.train_step import LossConfig, build_optimizer, train_mini_batch, wrap_ddp
 
     T = 0.7
@@ -324,12 +324,12 @@ def test_logprobs_and_ppo_forward_at_the_sampling_temperature(mp1, tmp_path):
     opt = build_optimizer(model, lr=0.0)
     adv = torch.tensor([a for s in samples for a in s.advantages], dtype=torch.float64)
     want, _ = ppo_policy_loss(torch.cat(old), torch.cat(old), adv, torch.ones_like(adv))
-    m = train_mini_batch(model, opt, samples, 64, LossConfig(kl_coef=0.0, entropy_coef=0.0, temperature=T))
+    m = train_mini_batch(model, opt, plain_batches(samples, 64).batches, LossConfig(kl_coef=0.0, entropy_coef=0.0, temperature=T))
     # approx-KL is a mean of (old - new) log-prob differences: 1e-6 of the log-probs' magnitude (it is one mean of
     # signed fp32 rounding errors, far below their max, and far below the 1e-4 that T = 1 gives below)
     assert_close_scaled(m["approx_kl"], 0.0, rel=1e-6, scale=float(torch.cat(old).abs().max()), msg="approx_kl")
     assert_close_scaled(m["loss"], want.item(), floor=1.0, msg="loss")  # a mean of O(1) terms: scale >= 1
-    m1 = train_mini_batch(model, opt, samples, 64, LossConfig(kl_coef=0.0, entropy_coef=0.0))  # T = 1: off
+    m1 = train_mini_batch(model, opt, plain_batches(samples, 64).batches, LossConfig(kl_coef=0.0, entropy_coef=0.0))  # T = 1: off
     assert abs(m1["approx_kl"]) > 1e-4
 
 
@@ -419,12 +419,12 @@ def test_builder_packed_training_step_equals_the_samples_path(mp1, tmp_path):
     data = TrainData.from_sequences([t for t, _ in seqs], [len(t) - p for t, p in seqs],
                                     **{k: torch.cat(v).numpy() for k, v in vals.items()})
     grads = lambda: [p.main_grad.detach().clone() for p in model[0].parameters()]  # noqa: E731
-    m_ref = train_mini_batch(model, opt, samples, 40, cfg)
+    m_ref = train_mini_batch(model, opt, plain_batches(samples, 40).batches, cfg)
     g_ref = grads()
     batches = data.micro_batches(24)
     assert len(batches) > len(plain_batches(samples, 40).batches) > 1  # other packings
     assert sorted(n for b in batches for n in b.scored_per_seq) == sorted(len(t) - p for t, p in seqs)
-    m_new = train_mini_batch(model, opt, [], 24, cfg, batches=batches)
+    m_new = train_mini_batch(model, opt, batches, cfg)
     for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
         assert_close_scaled(m_new[k], m_ref[k], floor=1.0, msg=k)
     for i, (a, b) in enumerate(zip(grads(), g_ref)):
@@ -481,7 +481,7 @@ def test_loss_agg_gradient_through_megatron_equals_the_hand_formula(mp1, tmp_pat
                                         advantages=torch.cat(adv).float().numpy())
         batches = loss_micro_batches(data, 64, micro_batch_size=1)
         assert len(batches) == 1 and sorted(batches[0].scored_per_seq) == [1, 3]
-    train_mini_batch(model, opt, [], 64, LossConfig(kl_coef=0.0, entropy_coef=0.0, loss_agg=agg), batches=batches)
+    train_mini_batch(model, opt, batches, LossConfig(kl_coef=0.0, entropy_coef=0.0, loss_agg=agg))
     got = _hf_named_grads(chunks, hf_cfg)
 
     # float64 reference: the hand formula through the HF model
