@@ -40,6 +40,7 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -128,7 +129,7 @@ def synthetic_rollouts(args, chunks, reference, gen: torch.Generator):
     """Random tasks x trajectories, scored like OPID scores a real rollout: old log-probs of each response in its own
     context, log-probs in the context with a skill section inserted (the Δ of OPID's skill term), reference log-probs
     for the KL term; advantages A = A_out (GRPO over the group) + λ·Δ per token."""
-    from opid_mega.algo import combine_advantages, outcome_advantage, skill_delta, step_scores
+    from opid_mega import batching
     from opid_mega.megatron.logprobs import Sample, compute_logprobs
 
     v, r = args.vocab_size, args.response_len
@@ -145,11 +146,13 @@ def synthetic_rollouts(args, chunks, reference, gen: torch.Generator):
     old = torch.stack(compute_logprobs(chunks, orig, max_tokens=args.micro_batch_tokens))  # [N, R]
     skill_lp = torch.stack(compute_logprobs(chunks, with_skill, max_tokens=args.micro_batch_tokens))
     ref = torch.stack(reference.logprobs(chunks, orig, max_tokens=args.micro_batch_tokens))
-    rewards = torch.randint(0, 2, (len(orig),), generator=gen).float()
-    a_out = outcome_advantage(step_scores(rewards, torch.zeros(len(orig)), penalty=0.0), torch.tensor(group_ids))
-    mask = torch.ones_like(old)
-    delta = skill_delta(skill_lp, old, mask)
-    adv = combine_advantages(a_out, {"episode": delta}, {"episode": args.skill_lambda}, mask)
+    rewards = torch.randint(0, 2, (len(orig),), generator=gen).double().numpy()
+    # the advantage maths of opid-train (the C++ batch builder): A_out by group, A = A_out + λ·Δ per token
+    a_out = batching.outcome_advantage(rewards, np.asarray(group_ids, np.int64), "mean_std_norm")
+    delta = skill_lp - old
+    lens, routed = np.full(len(orig), r, np.int64), np.ones(len(orig), bool)
+    adv = torch.from_numpy(batching.token_advantages(a_out, lens, [delta.reshape(-1).double().numpy()], [routed],
+                                                     [args.skill_lambda])).view(-1, r)
     samples = [Sample(s.tokens, s.score_from, old_logprobs=old[i].tolist(), advantages=adv[i].tolist(),
                       ref_logprobs=ref[i].tolist()) for i, s in enumerate(orig)]
     return samples, float(delta.abs().mean())

@@ -1,118 +1,11 @@
-"""opid_mega.algo against float64 references on random inputs, plus hand-worked OPID.md examples."""
+"""opid_mega.algo against float64 references on random inputs, plus hand-worked OPID.md examples (the advantage
+maths, in the batch builder: tests/test_advantage_maths.py)."""
 import math
-import random
 
 import pytest
 import torch
 
-from opid_mega.algo import (
-    agg_loss,
-    combine_advantages,
-    entropy_from_logits,
-    kl_penalty,
-    outcome_advantage,
-    ppo_policy_loss,
-    route_skills,
-    skill_delta,
-    step_scores,
-)
-
-
-def ref_outcome(scores, groups, mode, eps=1e-6):
-    out = []
-    for s, g in zip(scores, groups):
-        members = [x for x, h in zip(scores, groups) if h == g]
-        if len(members) == 1:
-            mu, sd = 0.0, 1.0
-        else:
-            mu = sum(members) / len(members)
-            sd = math.sqrt(sum((x - mu) ** 2 for x in members) / (len(members) - 1))
-        out.append(s - mu if mode == "mean_norm" else (s - mu) / (sd + eps))
-    return out
-
-
-@pytest.mark.parametrize("mode", ["mean_std_norm", "mean_norm"])
-@pytest.mark.parametrize("seed", range(5))
-def test_outcome_advantage_matches_float64_reference(mode, seed):
-    rng = random.Random(seed)
-    n = rng.randint(1, 60)
-    groups = [rng.randint(0, 6) for _ in range(n)]
-    scores = [rng.choice([0.0, 10.0]) - rng.choice([0.0, 0.1]) + rng.gauss(0, 0.3) for _ in range(n)]
-    got = outcome_advantage(torch.tensor(scores, dtype=torch.float64), torch.tensor(groups), mode)
-    want = torch.tensor(ref_outcome(scores, groups, mode), dtype=torch.float64)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-def test_outcome_advantage_hand_worked():
-    # One task group: trajectory A won (R=10) with 2 steps, the second invalid; trajectory B failed (R=0), 2 steps.
-    s = step_scores(torch.tensor([10.0, 10.0, 0.0, 0.0]), torch.tensor([False, True, False, False]), 0.1)
-    assert s.tolist() == pytest.approx([10.0, 9.9, 0.0, 0.0])
-    a = outcome_advantage(s, torch.tensor([7, 7, 7, 7]), "mean_norm")
-    assert a.tolist() == pytest.approx([10 - 4.975, 9.9 - 4.975, -4.975, -4.975])
-    sd = math.sqrt(sum((x - 4.975) ** 2 for x in [10, 9.9, 0, 0]) / 3)
-    a = outcome_advantage(s.double(), torch.tensor([7, 7, 7, 7]), "mean_std_norm")
-    assert a[0].item() == pytest.approx((10 - 4.975) / (sd + 1e-6))
-    # A single step-sample group: mu = 0, sigma = 1.
-    assert outcome_advantage(torch.tensor([3.0]), torch.tensor([1]), "mean_std_norm").item() == pytest.approx(
-        3.0 / (1 + 1e-6))
-
-
-def test_outcome_advantage_errors():
-    with pytest.raises(ValueError, match="mode"):
-        outcome_advantage(torch.ones(2), torch.zeros(2), "bogus")
-    with pytest.raises(ValueError, match="equal length"):
-        outcome_advantage(torch.ones(2), torch.zeros(3))
-    with pytest.raises(ValueError, match="penalty"):
-        step_scores(torch.ones(2), torch.zeros(2), -1)
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("normalize,clip", [(False, None), (True, None), (False, 0.05), (True, 1.5)])
-def test_skill_delta_matches_reference(seed, normalize, clip):
-    g = torch.Generator().manual_seed(seed)
-    skill = torch.randn(5, 9, generator=g, dtype=torch.float64) - 2
-    orig = torch.randn(5, 9, generator=g, dtype=torch.float64) - 2
-    mask = torch.rand(5, 9, generator=g) > 0.3
-    got = skill_delta(skill, orig, mask, normalize=normalize, clip=clip)
-    vals = [(skill[i, j] - orig[i, j]).item() for i in range(5) for j in range(9) if mask[i, j]]
-    mu = sum(vals) / len(vals)
-    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / len(vals))
-    for i in range(5):
-        for j in range(9):
-            if not mask[i, j]:
-                assert got[i, j].item() == 0.0
-                continue
-            d = (skill[i, j] - orig[i, j]).item()
-            if normalize:
-                d = (d - mu) / (sd + 1e-6)  # the reference's (Δ − μ)/(σ + ε), ε = 1e-6
-            if clip is not None:
-                d = max(-clip, min(clip, d))
-            assert got[i, j].item() == pytest.approx(d, rel=1e-12, abs=1e-12)
-
-
-def test_skill_delta_normalisation_has_the_epsilon():
-    """(Δ − μ)/(σ + ε) (OPID.md "More reference facts"), worked by hand: valid Δ = 0 and 2e-6 (a third token is
-    masked out) give μ = 1e-6 and population σ = 1e-6, so with ε = 1e-6 the normalised values are ∓1e-6 / 2e-6 =
-    ∓0.5 (a plain z-score would give ∓1); Δ = 1, 2, 3, 6 give μ = 3, σ = √3.5, the last one 3 / (√3.5 + 1e-6)."""
-    orig = torch.zeros(1, 3, dtype=torch.float64)
-    d = skill_delta(torch.tensor([[0.0, 2e-6, 5.0]], dtype=torch.float64), orig,
-                    torch.tensor([[True, True, False]]), normalize=True)
-    assert d[0, 0].item() == pytest.approx(-0.5, rel=1e-9) and d[0, 1].item() == pytest.approx(0.5, rel=1e-9)
-    assert d[0, 2].item() == 0.0
-    d = skill_delta(torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64), torch.zeros(1, 4, dtype=torch.float64),
-                    torch.ones(1, 4), normalize=True)
-    assert d[0, 3].item() == pytest.approx(3 / (math.sqrt(3.5) + 1e-6), rel=1e-12)
-    assert d[0, 0].item() == pytest.approx(-2 / (math.sqrt(3.5) + 1e-6), rel=1e-12)
-
-
-def test_skill_delta_constant_normalizes_to_zero_and_stops_gradient():
-    skill = torch.full((3, 4), -1.0, requires_grad=True)
-    orig = torch.full((3, 4), -1.5)
-    mask = torch.ones(3, 4)
-    d = skill_delta(skill, orig, mask, normalize=True)
-    assert torch.all(d == 0) and not d.requires_grad  # (Δ − μ) = 0 exactly, divided by 0 + ε
-    with pytest.raises(ValueError, match="same shape"):
-        skill_delta(skill, orig[:, :2], mask)
+from opid_mega.algo import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss, route_skills
 
 
 def test_route_skills_table():
@@ -128,29 +21,6 @@ def test_route_skills_table():
         route_skills(2, {5: "x"}, ep)
     with pytest.raises(ValueError, match="mode"):
         route_skills(2, {}, ep, mode="x")
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_combine_advantages_reference(seed):
-    g = torch.Generator().manual_seed(seed)
-    b, t = 6, 7
-    a_out = torch.randn(b, generator=g, dtype=torch.float64)
-    mask = torch.rand(b, t, generator=g) > 0.2
-    d_ep = torch.randn(b, t, generator=g, dtype=torch.float64) * (torch.rand(b, t, generator=g) > 0.5)
-    d_st = torch.randn(b, t, generator=g, dtype=torch.float64) * (d_ep == 0)
-    lam = {"episode": 0.37, "step": 1.3}
-    got = combine_advantages(a_out, {"episode": d_ep, "step": d_st}, lam, mask)
-    for i in range(b):
-        for j in range(t):
-            want = (a_out[i] + 0.37 * d_ep[i, j] + 1.3 * d_st[i, j]).item() if mask[i, j] else 0.0
-            assert got[i, j].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
-    # lambda = 0 (GRPO) leaves exactly the outcome advantage
-    grpo = combine_advantages(a_out, {"episode": d_ep, "step": d_st}, {"episode": 0.0, "step": 0.0}, mask)
-    assert torch.equal(grpo, torch.where(mask, a_out[:, None].expand(b, t), torch.zeros(b, t, dtype=torch.float64)))
-    with pytest.raises(ValueError, match="no lambda"):
-        combine_advantages(a_out, {"episode": d_ep}, {}, mask)
-    with pytest.raises(ValueError, match=">= 0"):
-        combine_advantages(a_out, {"episode": d_ep}, {"episode": -1.0}, mask)
 
 
 def ref_ppo(lp, olp, adv, mask, cl, ch, c, agg):

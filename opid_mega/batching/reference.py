@@ -28,7 +28,7 @@ from opid_mega.batching.layout import (
 )
 
 OUTCOME_MODES = ("mean_std_norm", "mean_norm")
-DELTA_NORM_EPS = 1e-6  # ε of the Δ normalisation (Δ − μ)/(σ + ε), = opid_mega.algo.advantage.DELTA_NORM_EPS
+DELTA_NORM_EPS = 1e-6  # ε of the Δ normalisation (Δ − μ)/(σ + ε) (docs/algorithm.md "More reference facts")
 MAX_BINS = 1 << 20
 
 

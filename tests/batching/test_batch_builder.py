@@ -1,4 +1,4 @@
-"""Batch builder: C++ extension == numpy reference byte for byte; packing properties; advantages vs opid_mega.algo."""
+"""Batch builder: C++ extension == numpy reference byte for byte; packing properties; advantages vs float64 references."""
 from __future__ import annotations
 
 import os
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_builder_helpers import assert_same, context_batches, random_alfworld_like  # noqa: E402
+from advantage_oracle import ref_outcome, ref_tokens  # noqa: E402
 from tolerance import assert_close_scaled  # noqa: E402
 
-import opid_mega.algo as algo  # noqa: E402
 from opid_mega import batching  # noqa: E402
 from opid_mega.batching import reference as ref  # noqa: E402
 from opid_mega.batching.layout import flatten_contexts, sample_group_tokens, sample_prefix_lengths  # noqa: E402
@@ -168,15 +168,15 @@ def test_plan_balanced_across_ranks():
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**31), n=st.integers(0, 30), groups=st.integers(1, 6),
        mode=st.sampled_from(ref.OUTCOME_MODES), f32=st.booleans())
-def test_outcome_advantage_identical_and_matches_algo(seed, n, groups, mode, f32):
+def test_outcome_advantage_identical_and_matches_float64(seed, n, groups, mode, f32):
     rng = np.random.default_rng(seed)
     scores = rng.choice([0.0, 10.0, 9.9, 1.0, 0.99], n) + rng.standard_normal(n) * 0.01
     scores = scores.astype(np.float32 if f32 else np.float64)
     gid = rng.integers(0, groups, n).astype(np.int64) * 7 - 3
     a, b = both("outcome_advantage", scores, gid, mode)
     assert a.dtype == b.dtype == np.float64 and a.tobytes() == b.tobytes()
-    torch_out = algo.outcome_advantage(torch.from_numpy(scores.astype(np.float64)), torch.from_numpy(gid), mode)
-    np.testing.assert_allclose(a, torch_out.numpy(), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(a, ref_outcome(scores.astype(np.float64).tolist(), gid.tolist(), mode), rtol=1e-9,
+                               atol=1e-9)
 
 
 def test_outcome_single_sample_and_constant_groups():
@@ -191,7 +191,7 @@ def test_outcome_single_sample_and_constant_groups():
 @given(seed=st.integers(0, 2**31), n=st.integers(0, 12), normalize=st.booleans(),
        clip=st.sampled_from([None, 0.05, 1.0, 3.0]), lam_ep=st.sampled_from([0.0, 0.001, 1.0]),
        lam_step=st.sampled_from([0.0, 0.001, 0.5]), const=st.booleans(), f64=st.booleans())
-def test_token_advantages_identical_and_matches_algo(seed, n, normalize, clip, lam_ep, lam_step, const, f64):
+def test_token_advantages_identical_and_matches_float64(seed, n, normalize, clip, lam_ep, lam_step, const, f64):
     rng = np.random.default_rng(seed)
     resp = rng.integers(0, 6, n).astype(np.int64)
     total = int(resp.sum())
@@ -207,27 +207,17 @@ def test_token_advantages_identical_and_matches_algo(seed, n, normalize, clip, l
     args = (a_out, resp, deltas, [use_ep, use_step], [lam_ep, lam_step], normalize, clip)
     x, y = both("token_advantages", *args)
     assert x.dtype == y.dtype == np.float32 and x.tobytes() == y.tobytes()
-    # the lead's torch functions, padded [n, T]
-    T = int(resp.max(initial=0))
-    mask = torch.zeros(n, T, dtype=torch.bool)
-
-    def pad(flat):
-        return torch.zeros(n, T, dtype=torch.float64).masked_scatter(mask, torch.as_tensor(flat, dtype=torch.float64))
-
-    for i, r in enumerate(resp):
-        mask[i, :r] = True
-    d_torch = {}
-    # the same Δ the builder got (already rounded to `dt`): with a constant Δ, normalisation divides its rounding
-    # noise by (σ + ε), so a reference fed the exact differences would compare two different inputs
-    zeros = torch.zeros(n, T, dtype=torch.float64)
-    for kind, dk, use in (("ep", deltas[0], use_ep), ("step", deltas[1], use_step.astype(bool))):
-        m = mask & torch.as_tensor(use)[:, None]
-        d_torch[kind] = algo.skill_delta(pad(dk.astype(np.float64)), zeros, m, normalize, clip)
-    comb = algo.combine_advantages(torch.as_tensor(a_out), d_torch, {"ep": lam_ep, "step": lam_step}, mask)
+    # float64 reference written from the rules, fed the same Δ the builder got (already rounded to `dt`): with a
+    # constant Δ, normalisation divides its rounding noise by (σ + ε), so exact differences would be another input
+    want = ref_tokens(a_out.tolist(), resp.tolist(), deltas, [use_ep, use_step.astype(bool)], [lam_ep, lam_step],
+                      normalize, clip)
     # float32 output vs float64: within 2e-6 of the largest |A_out| + Σ λ|Δ| summed into a token (cancellations
     # leave small sums with the rounding of the large terms)
-    size = torch.as_tensor(a_out).abs()[:, None] + lam_ep * d_torch["ep"].abs() + lam_step * d_torch["step"].abs()
-    assert_close_scaled(x, comb[mask], rel=2e-6, scale=float(size[mask].max()) if total else 0.0)
+    size = [abs(a) + lam_ep * abs(e) + lam_step * abs(t) for a, e, t in
+            zip(np.repeat(a_out, resp), ref_tokens([0.0] * n, resp.tolist(), [deltas[0]], [use_ep], [1.0], normalize,
+                                                   clip), ref_tokens([0.0] * n, resp.tolist(), [deltas[1]],
+                                                                     [use_step.astype(bool)], [1.0], normalize, clip))]
+    assert_close_scaled(x, want, rel=2e-6, scale=max(size) if total else 0.0)
 
 
 @settings(max_examples=120, deadline=None)

@@ -125,24 +125,6 @@ def test_bad_input_names_the_problem():
         data.micro_batches(10, 2, 2)
 
 
-def test_overhead_benchmark_runs_and_both_paths_score_every_token(tmp_path):
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_train_overhead.py"
-    spec = importlib.util.spec_from_file_location("bench_train_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "o.json"
-    res = bench.main(["--preset", "tiny", "--dp", "1", "--repeat", "1", "--json", str(out)])
-    assert json.loads(out.read_text()) == res
-    # the tiny preset's iteration (1 task x 4 trajectories x 5 steps); dp 1: rank 0 scores every response token
-    seqs = bench.make_iteration(*bench.PRESETS["tiny"])[0]
-    assert res["step_samples"] == len(seqs) == 20 and res["tokens"] == sum(len(t) for t, _ in seqs)
-    assert res["before_scored_tokens"] == res["after_scored_tokens"] == sum(len(t) - p for t, p in seqs)
-
-
 # ------------------------------------------------------------------------------------ distillation (skill contexts)
 def _skill_data(seed, n=17):
     """Samples with 0-2 skill contexts each: a section inserted at a random point of the prompt; the old log-prob
