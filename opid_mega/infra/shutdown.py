@@ -101,19 +101,25 @@ def _kill_groups(pgids, timeout_s: float) -> None:
             pass
 
 
-def _group_has_processes(pgid: int) -> bool:
-    """A live (not zombie: a stopped leader stays one until its parent reaps it) process is in group `pgid`."""
+def group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies: a stopped leader stays one until its parent reaps it) of group `pgid`
+    (Linux /proc; empty without it)."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        names = None
-    if names is None:
+        return []
+    return [pid for pid, fields in _proc_stats(names) if fields[2] == str(pgid) and fields[0] not in ("Z", "X")]
+
+
+def _group_has_processes(pgid: int) -> bool:
+    """A live process is in group `pgid`."""
+    if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
             return True
         except (ProcessLookupError, PermissionError):
             return False
-    return any(fields[2] == str(pgid) and fields[0] != "Z" for _, fields in _proc_stats(names))
+    return bool(group_members(pgid))
 
 
 def _proc_stats(names: list):

@@ -72,7 +72,7 @@ import torch
 from opid_mega.infra import shutdown as _shutdown
 from opid_mega.infra.redact import redact_args
 from opid_mega.rollout.engine import EngineError, GenerationResult, RolloutDeadline, SamplingParams, check_prompts
-from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
+from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, reserve_port, with_dtype
 
 _REQUEST_ERROR = re.compile(r"failed with HTTP 4\d\d")  # SGLangEngine's message for a rejected (non-retried) request
 _SERVER_ERRORS = (EngineError, requests.RequestException, OSError)
@@ -456,7 +456,8 @@ class RouterFleet(FleetEngine):
         self._api_key = api_key or None
         self._auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self.host = host
-        self.router_port = port or free_port(host)
+        reserved = [] if port else [reserve_port(host)]  # held until the router listens on them (_wait_router)
+        self.router_port = port or reserved[0].getsockname()[1]
         self.router_url = http_url(host, self.router_port)
         self.command = [python, "-m", "opid_mega.infra.keyed", "sglang_router.launch_router",
                         "--worker-urls", *self.urls, "--host", host, "--port", str(self.router_port)]
@@ -466,7 +467,8 @@ class RouterFleet(FleetEngine):
         # default 29000 would clash between two runs on one host)
         self.metrics_port = None
         if not _has_flag(router_args, "--prometheus-port"):
-            self.metrics_port = free_port(host)
+            reserved.append(reserve_port(host))
+            self.metrics_port = reserved[-1].getsockname()[1]
             self.command += ["--prometheus-port", str(self.metrics_port), "--prometheus-host", host]
         self.command += [str(a) for a in router_args]
         self.router_alive = True
@@ -509,6 +511,9 @@ class RouterFleet(FleetEngine):
         except BaseException:
             self._stop_router()
             raise
+        finally:
+            for held in reserved:
+                held.close()
 
     @property
     def url(self) -> str:
