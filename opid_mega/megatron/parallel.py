@@ -132,6 +132,11 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     backend = resolve_backend(backend)
     cpu_compat.apply()
     if not dist.is_initialized():
+        from opid_mega.infra.hosts import set_socket_ifname
+
+        # gloo's and NCCL's interface, unless set (every launcher): never the host name's address, which a stock
+        # /etc/hosts maps to 127.0.1.1 (opid_mega.infra.hosts; BindHostError names the fix when none can be told)
+        set_socket_ifname()
         # NCCL only: a gloo run needs no device of its own (several gloo ranks on a machine with fewer GPUs than
         # ranks would otherwise ask for a GPU that does not exist: "invalid device ordinal")
         if backend == "nccl":  # local rank i -> gpu_ids[i] (opid_mega.placement: the node's training GPUs), else GPU i
@@ -140,20 +145,17 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
                 raise ValueError(f"local rank {local} has no training GPU: this node's training GPUs are {gpu_ids} "
                                  "(deploy.train_gpus_per_node); start as many ranks per node as training GPUs")
             torch.cuda.set_device(gpu_ids[local] if gpu_ids else local)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        timeout = datetime.timedelta(seconds=timeout_s)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            # A lone process hosts its own rendezvous: take a fresh port rather than one inherited from a parent
-            # (a test runner, a benchmark driver) that may still be listening on it; under torchrun's agent store
-            # the port is the agent's, where the store already listens.
-            os.environ["MASTER_PORT"] = str(_free_port())
+            # A lone process meets no one: an in-process store, nothing listening (env:// would serve an
+            # unauthenticated TCPStore on every address, [::]:MASTER_PORT, for the whole run). Under torchrun's
+            # agent store a one-rank world keeps the agent's store, where it already listens.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(
-            backend,
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+            dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")),
+                                    world_size=int(os.environ.get("WORLD_SIZE", "1")), timeout=timeout)
     world = dist.get_world_size()
     # every rank creates every group in the same order: the control group first, before megatron's
     _CONTROL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)) \

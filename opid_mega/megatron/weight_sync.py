@@ -585,9 +585,13 @@ class WeightSync:
 
         th = threading.Thread(target=join, daemon=True)
         th.start()
-        # the server side wraps the store as PrefixStore(group name, ...): the same keys here
-        group = init_custom_process_group(backend=backend, store=PrefixStore(name, store), world_size=1 + e.tp_size,
-                                          rank=0, group_name=name, timeout=timeout)
+        # the server side wraps the store as PrefixStore(group name, ...): the same keys here; a gloo group listens
+        # on `host`'s interface, where the server reaches it (not the interface of the trainer's own groups)
+        from opid_mega.infra.hosts import gloo_interface
+
+        with gloo_interface(host):
+            group = init_custom_process_group(backend=backend, store=PrefixStore(name, store),
+                                              world_size=1 + e.tp_size, rank=0, group_name=name, timeout=timeout)
         th.join(timeout.total_seconds())
         if th.is_alive():
             raise RuntimeError(f"{e.url}: init_weights_update_group did not return within {timeout.total_seconds():g} s")
