@@ -797,11 +797,12 @@ class SGLangEngine:
                               f"): {str(out)[:300]!r}")
         return out
 
-    def health(self) -> bool:
+    def health(self, timeout: float = 10.0) -> bool:
+        """GET /health answered 200 within `timeout` s (SGLang's /health runs a generation: >= 1 s)."""
         if self._closed or (self._proc is not None and self._proc.poll() is not None):
             return False
         try:
-            return self._session.get(self.url + "/health", timeout=10).status_code == 200
+            return self._session.get(self.url + "/health", timeout=timeout).status_code == 200
         except requests.RequestException:
             return False
 
