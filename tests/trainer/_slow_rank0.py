@@ -1,6 +1,7 @@
 """opid-train with global rank 0's rollout and evaluation delayed by OPID_TEST_DELAY_S seconds (fault injection for
 test_control_channel: rank 0 slower than the training groups' timeout; test_node_lost: a rank stopped while rank 0
-plays, OPID_TEST_MARK naming a file rank 0 appends a line to when a rollout starts)."""
+plays, OPID_TEST_MARK naming a file rank 0 appends a line to when a rollout starts); OPID_TEST_DELAY_SKIP: that many
+first rollouts are not delayed."""
 import os
 import sys
 import time
@@ -10,12 +11,17 @@ from opid_mega import trainer
 _play = trainer.play
 
 
+_calls = [0]
+
+
 def slow_play(*args, **kwargs):
     mark = os.environ.get("OPID_TEST_MARK")  # the test learns that rank 0's rollout has started
     if mark:
         with open(mark, "a") as f:
             f.write(f"{time.time()}\n")
-    time.sleep(float(os.environ["OPID_TEST_DELAY_S"]))
+    _calls[0] += 1
+    if _calls[0] > int(os.environ.get("OPID_TEST_DELAY_SKIP", "0")):
+        time.sleep(float(os.environ["OPID_TEST_DELAY_S"]))
     return _play(*args, **kwargs)
 
 
