@@ -510,6 +510,9 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False, **tr
     try:
         trainer = Trainer(cfg, run_dir, resume, **trainer_kw)
         trainer.fit()
+        from opid_mega.megatron.parallel import stop_heartbeat
+
+        stop_heartbeat()  # done: the other ranks do not count this one as lost while they finish
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.infra.shutdown.Interrupted)
         from opid_mega.megatron.checkpoint import latest_step
 

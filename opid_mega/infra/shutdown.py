@@ -182,6 +182,11 @@ def stop_children(timeout_s: float = 2.0) -> None:
             return
 
 
+def exiting() -> bool:
+    """True once exit_now() runs: the process is on its way out."""
+    return _exiting.is_set()
+
+
 def exit_now(code: int, timeout_s: float = 5.0) -> None:
     """Stop every registered group (`stop_all(timeout_s)`) and every other child process (`stop_children`), flush
     stdout/stderr and leave with `code` at once (os._exit: threads still waiting on a socket or a collective would

@@ -59,7 +59,8 @@ def _peer(rank: int) -> str:
     return f"global rank {rank}"
 
 
-def _lost_line(ranks: list, seconds: float, what: str) -> str:
+def _lost_line(ranks: list, seconds: float, what: str, where: str = "on the control group",
+               bound: str = "deploy.control_timeout_s") -> str:
     if not ranks:
         who = "a rank of the job"
     else:
@@ -69,8 +70,8 @@ def _lost_line(ranks: list, seconds: float, what: str) -> str:
             nodes.setdefault((node, host), []).append(r)
         who = "; ".join(f"node {n} (host {h}, global rank{'s' if len(rs) > 1 else ''} "
                         f"{', '.join(str(r) for r in rs)})" for (n, h), rs in nodes.items())
-    return (f"lost {who}: {what} within {seconds:g} s on the control group (the node is down, cut off or stopped; "
-            "bound: deploy.control_timeout_s, docs/multi-node.md); the job ends, exit 5; resume with --resume auto")
+    return (f"lost {who}: {what} within {seconds:g} s {where} (the node is down, cut off or stopped; "
+            f"bound: {bound}, docs/multi-node.md); the job ends, exit 5; resume with --resume auto")
 
 
 def _reporter_for(lost: int) -> bool:
@@ -123,11 +124,14 @@ def _roll_call() -> None:
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: float = 300,
-               backend: str = "auto", control_timeout_s: float = 86400, gpu_ids: list | None = None) -> None:
+               backend: str = "auto", control_timeout_s: float = 86400, gpu_ids: list | None = None,
+               heartbeat_timeout_s: float | None = None, prog: str = "opid-train") -> None:
     """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp).
     ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`). ``timeout_s`` bounds every collective of the
     training groups (a hung rank fails the run after it); ``control_timeout_s`` bounds the waits on the control
-    group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation."""
+    group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation.
+    ``heartbeat_timeout_s`` (several ranks): every rank's heartbeat (opid_mega.megatron.heartbeat); a node silent
+    that long ends the job with one line (`prog`: its prefix) naming it, wherever the ranks are."""
     global _CONTROL, _CONTROL_TIMEOUT_S, _PEERS
     backend = resolve_backend(backend)
     cpu_compat.apply()
@@ -164,6 +168,8 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     # every rank's host and node (torchrun's GROUP_RANK), to name a lost node in one line (NodeLost)
     _PEERS = []
     _PEERS = all_gather_control((socket.gethostname(), int(os.environ.get("GROUP_RANK", "0"))))
+    if world > 1 and heartbeat_timeout_s:
+        _start_heartbeat(float(heartbeat_timeout_s), prog)
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if vpp is not None and vpp > 1 and pp < 2:
@@ -176,6 +182,41 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+_HEARTBEAT = None  # this rank's opid_mega.megatron.heartbeat.Heartbeat
+
+
+def _start_heartbeat(timeout_s: float, prog: str) -> None:
+    """This rank's heartbeat in the job's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent store, or global
+    rank 0's), through a connection of its own, its keys under a per-run secret prefix drawn by rank 0."""
+    global _HEARTBEAT
+    import secrets
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from opid_mega.config import beat_interval
+    from opid_mega.megatron.heartbeat import Heartbeat
+
+    stop_heartbeat()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    prefix = broadcast(lambda: f"opid_heartbeat_{secrets.token_hex(16)}")
+    if not addr or not port:
+        return  # no rendezvous store to beat in (a process group made some other way)
+    client = TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=max(1.0, beat_interval(timeout_s))))
+    _HEARTBEAT = Heartbeat(PrefixStore(prefix, client), dist.get_rank(), dist.get_world_size(), timeout_s,
+                           describe=lambda ranks, s: _lost_line(ranks, s, "no heartbeat", "in the rendezvous store",
+                                                                "deploy.heartbeat_timeout_s"),
+                           reports=_reporter_for, prog=prog).start()
+
+
+def stop_heartbeat() -> None:
+    """This rank ended its work (its peers must not count it as lost)."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
 
 
 def control_group():
@@ -240,6 +281,7 @@ def all_gather_control(obj) -> list:
 
 def destroy() -> None:
     global _CONTROL, _PEERS
+    stop_heartbeat()
     _CONTROL, _PEERS = None, []
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
