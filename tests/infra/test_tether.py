@@ -67,6 +67,14 @@ def _wait_gone(pgid: int, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+def _owner_killed(launcher, server: int) -> float:
+    """SIGKILL the launcher (the servers' owner), as the OOM killer would; seconds until the server's group is
+    empty (at most 10)."""
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    return _wait_gone(server, 10.0)
+
+
 def _killgroup_members(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -92,9 +100,7 @@ def test_sigkilled_launcher_takes_its_server_along(tmp_path):
     launcher, server = _launch(tmp_path, tie=True)
     try:
         assert launcher.poll() is None
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        gone_s = _wait_gone(server, 10.0)
+        gone_s = _owner_killed(launcher, server)
         print(f"server group gone {gone_s:.2f} s after SIGKILL of its launcher")
         assert not group_members(server), "the server outlived its SIGKILLed launcher by 10 s"
     finally:
@@ -131,9 +137,7 @@ def test_the_group_dies_with_its_owner_when_the_server_died_first(tmp_path):
         os.kill(server, signal.SIGKILL)
         time.sleep(2.0)
         assert sorted(group_members(server)) == sorted(watcher_and_child)  # the owner lives: nothing else is killed
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        gone_s = _wait_gone(server, 10.0)
+        gone_s = _owner_killed(launcher, server)
         print(f"the server's child gone {gone_s:.2f} s after its owner's SIGKILL (the server died first)")
         assert not group_members(server), "the server's child outlived the owner by 10 s"
     finally:

@@ -32,19 +32,24 @@ def _launch(cluster, k: int, run, rdzv: str, out):
     return cluster.popen(k, cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
 
 
+def _on_both_nodes(tmp_path, start, tag: str = "node"):
+    """start(k, out) on nodes 0 and 1 at once, node k's output into tmp_path/<tag><k>.out; (exit codes, outputs)."""
+    outs = [open(tmp_path / f"{tag}{k}.out", "wb") for k in (0, 1)]
+    try:
+        procs = [start(k, outs[k]) for k in (0, 1)]
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for f in outs:
+            f.close()
+    return codes, [(tmp_path / f"{tag}{k}.out").read_text(errors="replace") for k in (0, 1)]
+
+
 @pytest.mark.slow
 def test_two_nodes_without_interface_variables_complete(tmp_path):
     run = tmp_path / "run"
     t0 = time.monotonic()
     with cluster_sim.Cluster(2, interface_env=False) as c:
-        outs = [open(tmp_path / f"node{k}.out", "wb") for k in (0, 1)]
-        procs = [_launch(c, k, run, f"{c.nodes[0].addr}:29400", outs[k]) for k in (0, 1)]
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for f in outs:
-                f.close()
-    logs = [(tmp_path / f"node{k}.out").read_text(errors="replace") for k in (0, 1)]
+        codes, logs = _on_both_nodes(tmp_path, lambda k, out: _launch(c, k, run, f"{c.nodes[0].addr}:29400", out))
     print(f"2 nodes x 1 rank without NODE_ADDR / GLOO_SOCKET_IFNAME: {time.monotonic() - t0:.1f} s")
     assert codes == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
     for log in logs:
@@ -71,14 +76,7 @@ def test_plain_torchrun_on_stock_hosts_completes(tmp_path):
     run = tmp_path / "run"
     t0 = time.monotonic()
     with cluster_sim.Cluster(2, interface_env=False) as c:
-        outs = [open(tmp_path / f"node{k}.out", "wb") for k in (0, 1)]
-        procs = [_torchrun(c, k, run, "node0:29400", outs[k]) for k in (0, 1)]
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for f in outs:
-                f.close()
-    logs = [(tmp_path / f"node{k}.out").read_text(errors="replace") for k in (0, 1)]
+        codes, logs = _on_both_nodes(tmp_path, lambda k, out: _torchrun(c, k, run, "node0:29400", out))
     print(f"plain torchrun, 2 nodes x 1 rank, stock hosts: {time.monotonic() - t0:.1f} s")
     assert codes == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
     assert_one_iteration(run)

@@ -103,24 +103,39 @@ def _end(proc, pid):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _stop_rank(proc, tag, rank, err, seconds):
+    """Once the launch reached the moment (the caller waited for it), SIGSTOP its rank `rank` (a lost node) and wait
+    up to `seconds` for the lost-node line: (the lines, seconds until the line, the job's exit code, its stderr)."""
+    pid = None
+    try:
+        pid = _rank_pid(tag, rank)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        lines = _wait_for(lambda: _lines(err), proc, seconds, "the lost-node line")
+        took = time.monotonic() - stopped_at
+    finally:
+        code = _end(proc, pid) if pid else (proc.kill() or proc.wait())
+    return lines, took, code, err.read_text(errors="replace")
+
+
+def _wait_or_end(proc, cond, what):
+    try:
+        _wait_for(cond, proc, 300, what)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
 def test_a_rank_stopped_during_the_rollout_ends_the_job_with_one_line(tmp_path, stopped):
     tag = uuid.uuid4().hex
     proc, mark, err = _launch(tmp_path, tag)
-    pid = None
-    try:
-        _wait_for(lambda: mark.exists(), proc, 300, "rank 0's first rollout")
-        pid = _rank_pid(tag, stopped)
-        os.kill(pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        # rank 1 stopped: rank 0 ends its rollout (<= DELAY s) and finds rank 1 silent in the roll call before its
-        # broadcast (min(120 s, the bound)); rank 0 stopped: rank 1 waits the bound from the start of the rollout
-        lines = _wait_for(lambda: _lines(err), proc, DELAY + BOUND + 30, "the lost-node line")
-        took = time.monotonic() - stopped_at
-    finally:
-        code = _end(proc, pid) if pid else (proc.kill() or proc.wait())
-    text = err.read_text(errors="replace")
+    _wait_or_end(proc, lambda: mark.exists(), "rank 0's first rollout")
+    # rank 1 stopped: rank 0 ends its rollout (<= DELAY s) and finds rank 1 silent in the roll call before its
+    # broadcast (min(120 s, the bound)); rank 0 stopped: rank 1 waits the bound from the start of the rollout
+    lines, took, code, text = _stop_rank(proc, tag, stopped, err, DELAY + BOUND + 30)
     host = socket.gethostname()
     assert len(lines) == 1, text[-3000:]
     if stopped == 1:  # rank 0 names the rank that did not answer
@@ -268,18 +283,9 @@ def test_a_rank_stopped_inside_the_ppo_update_ends_the_job_within_the_heartbeat_
     proc, _, err = _launch(tmp_path, tag, args=[f"deploy.heartbeat_timeout_s={HEARTBEAT}"],
                            env={"OPID_TEST_DELAY_S": "0", "OPID_TEST_TRAIN_DELAY_S": "20",
                                 "OPID_TEST_TRAIN_MARK": str(train_mark)})
-    pid = None
-    try:
-        _wait_for(lambda: train_mark.exists(), proc, 300, "rank 0's update")
-        time.sleep(2.0)  # rank 1 is in the update's collective, waiting for rank 0
-        pid = _rank_pid(tag, stopped)
-        os.kill(pid, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        lines = _wait_for(lambda: _lines(err), proc, 120, "the lost-node line")
-        took = time.monotonic() - stopped_at
-    finally:
-        code = _end(proc, pid) if pid else (proc.kill() or proc.wait())
-    text = err.read_text(errors="replace")
+    _wait_or_end(proc, lambda: train_mark.exists(), "rank 0's update")
+    time.sleep(2.0)  # rank 1 is in the update's collective, waiting for rank 0
+    lines, took, code, text = _stop_rank(proc, tag, stopped, err, 120)
     host = socket.gethostname()
     assert len(lines) == 1, text[-3000:]
     assert lines[0].startswith(f"opid-train: lost node 0 (host {host}, global rank {stopped}): no heartbeat within "
