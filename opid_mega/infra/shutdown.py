@@ -226,7 +226,9 @@ def writing_now() -> bool:
 
 # ---- signal handlers ----------------------------------------------------------------------------------------------
 def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
-    if not _interrupted:  # a second SIGTERM must not break the shutdown the first one started (the watchdog covers it)
+    # a second SIGTERM must not break the shutdown the first one started (the watchdog covers it), nor one exit_now()
+    # runs (a lost node's)
+    if not _interrupted and not _exiting.is_set():
         raise Interrupted(signum)
 
 
@@ -237,7 +239,9 @@ def is_interrupt_handler(handler) -> bool:
 
 def install_signal_handlers(prog: str = "opid-train", grace_s: float = 20.0) -> None:
     """SIGTERM / SIGHUP -> Interrupted in the main thread (unless inherited as ignored), SIGINT as Python sets it,
-    and the watchdog (see the module docstring). Main thread only; idempotent."""
+    and the watchdog (see the module docstring). An uncaught exception while exit_now() runs (a collective broken by
+    the peer whose loss ends the process) prints no traceback and waits for exit_now() to end the process with its
+    code. Main thread only; idempotent."""
     global _watchdog
     if threading.current_thread() is not threading.main_thread():
         return
@@ -246,6 +250,14 @@ def install_signal_handlers(prog: str = "opid-train", grace_s: float = 20.0) -> 
             signal.signal(sig, _raise_interrupt)
     if _watchdog is not None:
         return
+    default_hook = sys.excepthook
+
+    def quiet_when_exiting(*exc):  # a lost node's one line stands alone: not the main thread's broken collective
+        if not _exiting.is_set():
+            return default_hook(*exc)
+        time.sleep(60.0)  # exit_now() ends the process (with its code) from the thread that called it
+
+    sys.excepthook = quiet_when_exiting
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:
