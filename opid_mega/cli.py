@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from opid_mega.config import ConfigError, load_config
+from opid_mega.infra.hosts import BindHostError
 from opid_mega.infra.runtime import apply_core_budget, quiet
 
 
@@ -238,6 +239,10 @@ def _train_planned(plan, rank0: bool) -> int:
               config_digest=plan.digest)
     except AnalyzerUnavailable as e:  # the start-up probe: a bad analyzer key / URL / model
         print(f"opid-train: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BindHostError as e:  # no interface for gloo / NCCL, or deploy.bind_host: one line per node
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"opid-train: {e}", file=sys.stderr, flush=True)
         return 2
     except (RolloutEngineDied, AnalyzerFailed) as e:
         print(f"opid-train: {e}", file=sys.stderr)

@@ -430,6 +430,10 @@ class DeployConfig:
     # skills) + analyzer.deadline_s (when anything is analysed) + CONTROL_MARGIN_S (600 s)
     control_timeout_s: Optional[float] = None
     train_timeout_s: float = 300.0
+    # Every rank beats in the rendezvous store (opid_mega.megatron.heartbeat); a rank silent this long is a lost node
+    # wherever the job is (rollout, analysis, the PPO update's collectives, the weight sync): the job ends with one
+    # line naming it (exit 5) within node_lost_bound(cfg) = this + one beat (<= 5 s) + the shutdown (10 s)
+    heartbeat_timeout_s: float = 60.0
     # colocated on GPU: move the optimizer state to host memory during rollout and release SGLang's memory in training
     offload_optimizer: bool = True
     release_engine_memory: bool = True
@@ -603,6 +607,7 @@ _CHECKS: dict[str, tuple] = {
     "deploy.trainer_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.server_cpus": (lambda v: all(isinstance(i, int) and i >= 0 for i in v), "a list of CPU core ids"),
     "deploy.train_timeout_s": _SECONDS,
+    "deploy.heartbeat_timeout_s": (lambda v: 1 <= v <= 3600, "a number of seconds in [1, 3600]"),
     "deploy.bind_host": (lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.:%-]+", v)) and v not in ("0.0.0.0", "::"),
                          "auto, an address of the node (not a wildcard such as 0.0.0.0) or an interface name"),
     "sync.bucket_mb": _POSITIVE_INT,
@@ -924,6 +929,22 @@ def resolve_api_key(analyzer: AnalyzerConfig, environ: Optional[dict] = None) ->
 
 
 CONTROL_MARGIN_S = 600.0  # on top of the deadlines: an SGLang server's start (600 s) and the waits' own slack
+
+
+BEAT_MAX_S = 5.0  # the longest interval between two heartbeats of a rank (opid_mega.megatron.heartbeat)
+NODE_LOST_SHUTDOWN_S = 10.0  # what the ending takes once a lost node is named: servers and children stopped, exit
+
+
+def beat_interval(heartbeat_timeout_s: float) -> float:
+    """Seconds between two heartbeats: six or more within the timeout, at most BEAT_MAX_S."""
+    return min(BEAT_MAX_S, float(heartbeat_timeout_s) / 6.0)
+
+
+def node_lost_bound(cfg: Config) -> float:
+    """How long a job runs on after one of its nodes is lost (down, cut off or stopped), wherever its ranks are: the
+    heartbeat timeout (deploy.heartbeat_timeout_s), one beat and the shutdown (opid_mega.megatron.heartbeat)."""
+    timeout = float(cfg.deploy.heartbeat_timeout_s)
+    return timeout + beat_interval(timeout) + NODE_LOST_SHUTDOWN_S
 
 
 def control_timeout(cfg: Config) -> float:

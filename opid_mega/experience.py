@@ -359,8 +359,9 @@ def with_skill_term(exp: Experience, a, a_out: np.ndarray, backend: Optional[str
 
 
 def off_policy(exp: Experience, correction: str, cap: float) -> None:
-    """off-policy (train.max_staleness > 0): behavior_weights, per token min(π_prox / π_behaviour, cap) on the samples
-    drawn with older weights than the ones that rescored them (correction=decoupled; opid_mega.algo.off_policy), 1
+    """off-policy (every iteration: a record is stale under train.max_staleness > 0, or restored by a resume under a
+    smaller bound): behavior_weights, per token min(π_prox / π_behaviour, cap) on the samples drawn with older
+    weights than the ones that rescored them (correction=decoupled; opid_mega.algo.off_policy), 1
     on the others and everywhere with correction=none. The policy trains on token_advantages x behavior_weights."""
     w = np.ones(int(exp.resp_lens.sum()), np.float64)
     stale = np.repeat(exp.policy_version < exp.iteration - 1, exp.resp_lens)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import base64
 import pickle
+import threading
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from opid_mega.experience import Experience
+
+CLOSE_GRACE_S = 5.0  # how long close() gives a background rollout it asked to stop
 
 
 @dataclass
@@ -48,7 +51,6 @@ class RolloutPipeline:
         self.overlap = bool(overlap)
         self.queue: deque = deque()
         self.drawing: Optional[tuple] = None  # playing in the background: (iterations, weight version, Future)
-        self._pool: Optional[ThreadPoolExecutor] = None
 
     def fill(self, it: int, rollout: Callable[[int, int], Experience], submit: Callable[[Experience], tuple]) -> int:
         """Draws the rollouts it .. it + max_staleness not drawn yet (none past the last iteration, but always it):
@@ -79,9 +81,18 @@ class RolloutPipeline:
         todo = list(range(nxt, min(it + self.max_staleness, self.last_iteration) + 1))
         if todo:
             runs = [job(k, it - 1) for k in todo]
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-            self.drawing = (todo, it - 1, self._pool.submit(lambda: [run() for run in runs]))
+            future: Future = Future()
+
+            def play() -> None:
+                future.set_running_or_notify_cancel()
+                try:
+                    future.set_result([run() for run in runs])
+                except BaseException as exc:  # noqa: BLE001 - raised again where it lands (join)
+                    future.set_exception(exc)
+
+            # a daemon thread: nothing (the interpreter's exit included) ever waits for a rollout nobody will train on
+            threading.Thread(target=play, name="rollout", daemon=True).start()
+            self.drawing = (todo, it - 1, future)
         return todo
 
     def join(self, land: Callable[[int, int, Callable[[], object]], tuple]) -> int:
@@ -106,10 +117,17 @@ class RolloutPipeline:
             self.queue.append(InFlight(*land(k, version, lambda i=i: produce(i))))
         return len(todo)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def close(self, cancel: Optional[Callable[[], None]] = None, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Ends the pipeline (an error or a signal ended the run): a rollout still playing in the background is asked
+        to stop (`cancel()`: the agent loop's stop) and given `grace_s` seconds to end, never its deadline; its
+        result is dropped (nobody trains on it)."""
+        if self.drawing is None:
+            return
+        future = self.drawing[2]
+        self.drawing = None
+        if cancel is not None:
+            cancel()
+        wait([future], timeout=grace_s)
 
     def take(self, it: int) -> InFlight:
         """Iteration it's record (the oldest in flight)."""

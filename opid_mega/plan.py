@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Optional
 
-from opid_mega.config import Config, ConfigError, load_config
+from opid_mega.config import Config, ConfigError, control_timeout, load_config, node_lost_bound
 
 GIB = 1 << 30
 HF_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_configs")
@@ -560,6 +560,7 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         idle_gpus=idle_gpus if gpu_cluster else None,
         params_total=N, per_gpu_gib=fullest["peak_gib"],
         memory=memory, time=time, assumptions=assumptions,
+        node_lost_bound_s=node_lost_bound(cfg), control_timeout_s=control_timeout(cfg),
     )
 
 
@@ -709,6 +710,10 @@ def render(res: dict) -> str:
     out.extend(f"  {k}: {v}" for k, v in res["assumptions"].items())
     for n in res["notes"]:
         out.append(f"note: {n}")
+    if res["config"]["nodes"] > 1 or res["layout"]["world"] > 1:
+        out.append(f"a lost node ends the job within {res['node_lost_bound_s']:g} s, wherever its ranks are "
+                   f"(deploy.heartbeat_timeout_s, one heartbeat, the shutdown); rank 0's own rollout, analysis and "
+                   f"evaluation may take {res['control_timeout_s']:g} s (deploy.control_timeout_s)")
     if res.get("launch"):
         out.append("")
         out.append("launch (tools/launch/; the ranks per node and node count come from the config's deploy section):")

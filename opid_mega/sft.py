@@ -258,7 +258,7 @@ def run_sft(cfg: Config, out_dir: Optional[str] = None, log=print, **overrides) 
     samples = [Sample(p + r, len(p)) for p, r in data]
     log(f"opid-sft: {len(samples)} expert step-samples, {sum(len(s.tokens) for s in samples)} tokens, "
         f"{opts['epochs']} epochs, lr {opts['lr']}, skill share {opts.get('skill_share', 0.0)}")
-    policy = Policy(scfg, base)
+    policy = Policy(scfg, base, prog="opid-sft")
     g = torch.Generator().manual_seed(cfg.train.seed)
     t0 = time.time()
     epochs = int(opts["epochs"])

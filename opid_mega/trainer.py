@@ -302,8 +302,8 @@ class Trainer:
             experience.score(exp, self.scorer, cfg.algo.delta)
         self.advantage_fn(exp, cfg.algo)  # algo.advantage_fn, default experience.advantages
         experience.check_advantages(exp, cfg.algo.advantage_fn)
-        if cfg.train.max_staleness:
-            experience.off_policy(exp, cfg.train.off_policy_correction, cfg.train.behavior_weight_cap)
+        # whatever train.max_staleness is now: a resume may train on records in flight drawn under a larger bound
+        experience.off_policy(exp, cfg.train.off_policy_correction, cfg.train.behavior_weight_cap)
         if cfg.logging.dump_advantages and self.rank0:
             with open(self.run_dir / "advantages.jsonl", "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in experience.advantage_records(exp))
@@ -487,8 +487,10 @@ class Trainer:
 
     def close(self) -> None:
         # colocated: an attached server gets back the memory this run released (Ctrl-C mid-iteration included)
-        # a rollout still playing in the background ends first (it uses the engines and the env workers)
-        for closer in (getattr(getattr(self, "pipeline", None), "close", None),
+        # a rollout still playing in the background is asked to stop first (it uses the engines and the env workers)
+        # and given seconds, never its deadline: every closer below runs, whatever it does
+        pipeline = getattr(self, "pipeline", None)
+        for closer in (pipeline and (lambda: pipeline.close(cancel=getattr(getattr(self, "loop", None), "stop", None))),
                        getattr(getattr(self, "colocation", None), "close", None),
                        getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
                        getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None),
@@ -508,6 +510,9 @@ def train(cfg: Config, run_dir: Optional[str] = None, resume: bool = False, **tr
     try:
         trainer = Trainer(cfg, run_dir, resume, **trainer_kw)
         trainer.fit()
+        from opid_mega.megatron.parallel import stop_heartbeat
+
+        stop_heartbeat()  # done: the other ranks do not count this one as lost while they finish
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (opid_mega.infra.shutdown.Interrupted)
         from opid_mega.megatron.checkpoint import latest_step
 

@@ -33,8 +33,9 @@ What a node is, as on a real cluster:
 Everything it made is removed however it ends (normal exit, an exception, Ctrl-C, SIGTERM/SIGHUP, interpreter exit):
 every process in the nodes' namespaces (SIGTERM, then SIGKILL: `ip netns pids`), the namespaces (which deletes the
 veth links and the bridge) and the /etc/netns/<namespace> directories. Names carry this process's pid
-(`opidsim<pid>x<n>-node<k>`, `...-switch`), so parallel runs never collide, and every start first removes the
-instances of dead processes of the same prefix (a SIGKILLed run cannot clean up after itself).
+(`opidsim<pid>x<n>-node<k>`, `...-switch`; the prefix is $OPID_SIM_PREFIX when set), so parallel runs never collide,
+and every start first removes the instances of dead processes of the same prefix (a SIGKILLed run cannot clean up
+after itself).
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2's `ip` and util-linux's `unshare`; `unavailable_reason()`
 says why a cluster cannot be made here (tests skip with that line).
@@ -55,7 +56,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-PREFIX = "opidsim"
+# names of what it makes start with this ($OPID_SIM_PREFIX: letters, digits, '-', to keep several users' or CI
+# jobs' clusters and their stale-instance sweeps apart on one machine)
+PREFIX = os.environ.get("OPID_SIM_PREFIX", "") if re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,11}",
+                                                                os.environ.get("OPID_SIM_PREFIX", "")) else "opidsim"
 NETWORK = "198.18.0.0/15"  # RFC 2544 benchmarking range: never a real host's address
 SUBNET_BASE = "198.18.0."  # node k: 198.18.0.<k+1>/24 (inside NETWORK)
 IFNAME = "eth0"

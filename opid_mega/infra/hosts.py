@@ -22,6 +22,7 @@ can bind (``socket.bind((addr, 0))`` succeeds only for its own addresses). `//no
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import ipaddress
@@ -180,14 +181,37 @@ def interface_of(addr: str) -> Optional[str]:
     return None
 
 
-def socket_ifname(rendezvous: str, nodes: int, node_addr: str = "") -> str:
+def _is_up(name: str) -> bool:
+    SIOCGIFFLAGS, IFF_UP = 0x8913, 0x1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            reply = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("256s", name.encode()[:15]))
+        return bool(struct.unpack("H", reply[16:18])[0] & IFF_UP)
+    except OSError:
+        return False
+
+
+def cluster_interfaces() -> list[str]:
+    """The interfaces of this machine that are up and hold an IPv4 address other than a loopback one."""
+    out = []
+    for _, name in socket.if_nameindex():
+        addr = interface_address(name)
+        if addr and not _ip(addr).is_loopback and _is_up(name):
+            out.append(name)
+    return out
+
+
+def socket_ifname(rendezvous: str, nodes: int, node_addr: str = "",
+                  rendezvous_fix: str = "give RDZV_ENDPOINT as node 0's cluster address") -> str:
     """The interface gloo and NCCL use on this node (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when the user set
     none): the interface holding `node_addr` (this node's cluster address, the launcher's NODE_ADDR) when given, else
     the one that routes to the rendezvous host (deploy.bind_host=auto's rule). A rendezvous host on this machine's
     loopback in a one-node run, or spelled as loopback (localhost, 127.0.0.1: every node on this machine): the
     loopback interface (nothing listens on the network). On a multi-node run, a host NAME that resolves to loopback
-    here (a stock Debian/Ubuntu /etc/hosts maps the node's own name to 127.0.1.1) tells no cluster interface:
-    BindHostError, one line naming the fix."""
+    here (a stock Debian/Ubuntu /etc/hosts maps the node's own name to 127.0.1.1: the rendezvous is on this node)
+    gives this node's one cluster interface (`cluster_interfaces`: up, with an IPv4 address that is not loopback);
+    with several, which one the other nodes reach cannot be told: BindHostError, one line naming the fix
+    (`rendezvous_fix`: how this launch names the rendezvous host by address)."""
     fix = "set NODE_ADDR to this node's cluster address (or GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to its interface)"
     if node_addr:
         addrs = [a for a in _resolve(node_addr.strip("[]")) if _ip(a) is not None and _ip(a).version == 4]
@@ -200,21 +224,81 @@ def socket_ifname(rendezvous: str, nodes: int, node_addr: str = "") -> str:
     addrs = _resolve(target)
     if not addrs:
         raise BindHostError(f"the rendezvous host {target!r} does not resolve on this node ({socket.gethostname()}); "
-                            "give RDZV_ENDPOINT as node 0's cluster address")
+                            f"{rendezvous_fix}")
     loop = [a for a in addrs if _ip(a) is not None and _ip(a).is_loopback]
     if loop:
         named = target.lower() != "localhost" and _ip(target) is None  # a host name, not loopback by its spelling
         if nodes <= 1 or not named:  # one node, or every node on this machine (localhost, 127.0.0.1)
             return interface_of(LOOPBACK) or "lo"
+        found = cluster_interfaces()
+        if len(found) == 1:  # the rendezvous is on this node: its one cluster interface is where the others reach it
+            return found[0]
         raise BindHostError(f"the rendezvous host {target!r} resolves to {loop[0]} (loopback) on this node "
-                            f"({socket.gethostname()}) in a {nodes}-node run, which names no cluster interface; {fix}, "
-                            "or give RDZV_ENDPOINT as node 0's cluster address")
+                            f"({socket.gethostname()}) in a {nodes}-node run, which names no cluster interface, and "
+                            f"this node has {len(found)} ({', '.join(found) or 'none'}); {fix}, or {rendezvous_fix}")
     src = route_source(target)
     name = interface_of(src) if src else None
     if name is None:
         raise BindHostError(f"no interface of this node ({socket.gethostname()}) routes to the rendezvous host "
                             f"{target!r}; {fix}")
     return name
+
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def job_nodes(environ=os.environ) -> int:
+    """The job's node count as a rank sees it: torchrun's GROUP_WORLD_SIZE (the Ray launcher sets it too), NNODES,
+    else 1 when every rank is on this node (WORLD_SIZE = LOCAL_WORLD_SIZE, or neither set), else 2 (several)."""
+    for key in ("GROUP_WORLD_SIZE", "NNODES"):
+        value = environ.get(key, "").strip()
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    world, local = environ.get("WORLD_SIZE", "1"), environ.get("LOCAL_WORLD_SIZE", "")
+    return 1 if not local or local == world else 2
+
+
+def set_socket_ifname(environ=os.environ) -> Optional[str]:
+    """At process-group set-up (every launcher: torchrun.sh, a plain torchrun, SLURM, Ray, one process): each of
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME that is unset becomes socket_ifname(MASTER_ADDR, job_nodes(), NODE_ADDR),
+    so that gloo never takes the address the host name resolves to (127.0.1.1 under a stock Debian/Ubuntu
+    /etc/hosts: the other nodes cannot reach it). A lone process (WORLD_SIZE 1) meets no one: GLOO_SOCKET_IFNAME is
+    the loopback interface, NCCL_SOCKET_IFNAME is left to NCCL (the groups it forms with servers elsewhere need a
+    reachable interface, which NCCL's own default never takes from the host name). Returns the interface set (None:
+    nothing was unset). Raises BindHostError (one line naming the fix) when no interface can be told."""
+    if int(environ.get("WORLD_SIZE", "1") or 1) == 1:
+        names, name = ("GLOO_SOCKET_IFNAME",), interface_of(LOOPBACK) or "lo"
+    else:
+        names = IFNAME_VARS
+        if all(environ.get(k) for k in names):
+            return None
+        name = socket_ifname(environ.get("MASTER_ADDR", "").strip() or LOOPBACK, job_nodes(environ),
+                             environ.get("NODE_ADDR", "").strip(),
+                             rendezvous_fix="give node 0's cluster address to its launcher (torchrun --local-addr "
+                                            "ADDR, which becomes MASTER_ADDR)")
+    unset = [k for k in names if not environ.get(k)]
+    for key in unset:
+        environ[key] = name
+    return name if unset else None
+
+
+@contextlib.contextmanager
+def gloo_interface(host: str):
+    """GLOO_SOCKET_IFNAME set to the interface holding `host` (an address of this machine; loopback for a loopback
+    address) while a gloo group is made inside the block: gloo reads it when a group is constructed, and a group
+    with peers elsewhere (a weight-update group with another node's server) must listen where they reach it."""
+    ip = _ip(host)
+    name = (interface_of(LOOPBACK) or "lo") if ip is not None and ip.is_loopback else interface_of(host)
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield name
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
 def new_api_key() -> str:

@@ -101,19 +101,25 @@ def _kill_groups(pgids, timeout_s: float) -> None:
             pass
 
 
-def _group_has_processes(pgid: int) -> bool:
-    """A live (not zombie: a stopped leader stays one until its parent reaps it) process is in group `pgid`."""
+def group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies: a stopped leader stays one until its parent reaps it) of group `pgid`
+    (Linux /proc; empty without it)."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        names = None
-    if names is None:
+        return []
+    return [pid for pid, fields in _proc_stats(names) if fields[2] == str(pgid) and fields[0] not in ("Z", "X")]
+
+
+def _group_has_processes(pgid: int) -> bool:
+    """A live process is in group `pgid`."""
+    if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
             return True
         except (ProcessLookupError, PermissionError):
             return False
-    return any(fields[2] == str(pgid) and fields[0] != "Z" for _, fields in _proc_stats(names))
+    return bool(group_members(pgid))
 
 
 def _proc_stats(names: list):
@@ -176,6 +182,11 @@ def stop_children(timeout_s: float = 2.0) -> None:
             return
 
 
+def exiting() -> bool:
+    """True once exit_now() runs: the process is on its way out."""
+    return _exiting.is_set()
+
+
 def exit_now(code: int, timeout_s: float = 5.0) -> None:
     """Stop every registered group (`stop_all(timeout_s)`) and every other child process (`stop_children`), flush
     stdout/stderr and leave with `code` at once (os._exit: threads still waiting on a socket or a collective would
@@ -215,7 +226,9 @@ def writing_now() -> bool:
 
 # ---- signal handlers ----------------------------------------------------------------------------------------------
 def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
-    if not _interrupted:  # a second SIGTERM must not break the shutdown the first one started (the watchdog covers it)
+    # a second SIGTERM must not break the shutdown the first one started (the watchdog covers it), nor one exit_now()
+    # runs (a lost node's)
+    if not _interrupted and not _exiting.is_set():
         raise Interrupted(signum)
 
 
@@ -226,7 +239,9 @@ def is_interrupt_handler(handler) -> bool:
 
 def install_signal_handlers(prog: str = "opid-train", grace_s: float = 20.0) -> None:
     """SIGTERM / SIGHUP -> Interrupted in the main thread (unless inherited as ignored), SIGINT as Python sets it,
-    and the watchdog (see the module docstring). Main thread only; idempotent."""
+    and the watchdog (see the module docstring). An uncaught exception while exit_now() runs (a collective broken by
+    the peer whose loss ends the process) prints no traceback and waits for exit_now() to end the process with its
+    code. Main thread only; idempotent."""
     global _watchdog
     if threading.current_thread() is not threading.main_thread():
         return
@@ -235,6 +250,14 @@ def install_signal_handlers(prog: str = "opid-train", grace_s: float = 20.0) -> 
             signal.signal(sig, _raise_interrupt)
     if _watchdog is not None:
         return
+    default_hook = sys.excepthook
+
+    def quiet_when_exiting(*exc):  # a lost node's one line stands alone: not the main thread's broken collective
+        if not _exiting.is_set():
+            return default_hook(*exc)
+        time.sleep(60.0)  # exit_now() ends the process (with its code) from the thread that called it
+
+    sys.excepthook = quiet_when_exiting
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:

@@ -9,7 +9,8 @@ them running, holding GPU memory, cores and ports. Two guards:
   server module starts: it forks a small watcher process into the server's process group that checks every
   `POLL_S` (0.5 s) whether the owner still runs (same pid and start time) and, once it does not, sends SIGKILL to
   the whole group (the server, its scheduler and detokenizer children, itself). When the server exits first, the
-  watcher exits too. A separate process, so a server holding the GIL in native code cannot delay it, and a watch on
+  watcher keeps watching for as long as anything else of the group runs (a server that died leaves its children),
+  and exits once it is alone. A separate process, so a server holding the GIL in native code cannot delay it, and a watch on
   the owner process rather than a parent-death signal: PR_SET_PDEATHSIG fires when the launching *thread* exits, and
   servers are launched from short-lived threads (opid_mega.rollout.fleet.launch_fleet).
 * A record per launched process in the run directory (`<log dir>/pids/<host>.<pid>.json`: pid, its start time,
@@ -19,8 +20,9 @@ them running, holding GPU memory, cores and ports. Two guards:
   process group: SIGTERM, then SIGKILL after 5 s); records of processes that are gone are removed. A process whose
   owner still runs belongs to a live start and is left alone.
 
-The start time is field 22 of /proc/PID/stat (clock ticks since boot); without /proc (not Linux) a process counts
-as running while it exists and the start time is not compared.
+The start time is field 22 of /proc/PID/stat (clock ticks since boot), and it is always recorded: a process whose
+start time cannot be told (gone already, or no /proc: not Linux) gets no record and no watcher, and a pid whose
+recorded start time is unknown matches nothing (it could be anyone's by now).
 """
 from __future__ import annotations
 
@@ -33,27 +35,19 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from opid_mega.infra.shutdown import group_members
+
 OWNER_ENV = "OPID_OWNER"
 POLL_S = 0.5
 RECORDS = "pids"
 
 
 def start_time(pid: int) -> Optional[int]:
-    """Field 22 of /proc/PID/stat (start time, clock ticks after boot) of a running process; None when it is gone or
-    a zombie. 0 where there is no /proc but the process exists."""
+    """Field 22 of /proc/PID/stat (start time, clock ticks after boot) of a running process; None when it is gone, a
+    zombie, or cannot be told (no /proc)."""
     try:
         with open(f"/proc/{int(pid)}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):
-            return None
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return 0
     except OSError:
         return None
     if fields[0] in ("Z", "X"):  # fields[0] is field 3 (state); field 22 is fields[19]
@@ -62,9 +56,9 @@ def start_time(pid: int) -> Optional[int]:
 
 
 def running(pid: int, start: Optional[int]) -> bool:
-    """The process `pid` runs and is the one that started at `start` (not a later process given the same pid)."""
-    now = start_time(pid)
-    return now is not None and (not start or not now or now == start)
+    """The process `pid` runs and is the one that started at `start` (not a later process given the same pid). A
+    start time that was never known (None, 0) matches nothing: such a pid could be anyone's by now."""
+    return bool(start) and start_time(pid) == start
 
 
 def _boot_id() -> str:
@@ -76,9 +70,11 @@ def _boot_id() -> str:
 
 
 def owner_env(pid: Optional[int] = None) -> dict:
-    """The environment entry that ties a launched child to `pid` (default: this process)."""
+    """The environment entry that ties a launched child to `pid` (default: this process); empty where its start time
+    cannot be told (no /proc: the child then runs untied)."""
     pid = os.getpid() if pid is None else int(pid)
-    return {OWNER_ENV: f"{pid}:{start_time(pid) or 0}"}
+    start = start_time(pid)
+    return {OWNER_ENV: f"{pid}:{start}"} if start else {}
 
 
 def _parse_owner(value: str) -> Optional[tuple[int, int]]:
@@ -94,7 +90,7 @@ def watch_owner(poll_s: float = POLL_S) -> Optional[int]:
     this process's group once the owner is gone. Returns the watcher's pid, or None without $OPID_OWNER."""
     value = os.environ.pop(OWNER_ENV, "")
     owner = _parse_owner(value) if value else None
-    if owner is None:
+    if owner is None or not owner[1]:
         if value:
             print(f"opid_mega.infra.tether: ignoring ${OWNER_ENV}={value!r} (expected PID:START)", file=sys.stderr)
         return None
@@ -106,14 +102,18 @@ def watch_owner(poll_s: float = POLL_S) -> Optional[int]:
         return child
     try:  # the watcher: plain system calls only (forked from a process that may hold threads)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the owner, which stops the group itself
+        group, me = os.getpgrp(), os.getpid()
+        leads = group == server  # the server leads its own group (how it is launched): the whole group is ours
         while True:
             time.sleep(poll_s)
-            if os.getppid() != server:  # the server exited: nothing left to watch
+            if leads:  # the group lives on while any member but this watcher does, the server's children included
+                if not [p for p in group_members(group) if p != me]:
+                    break  # nothing left to watch
+            elif os.getppid() != server:  # the server exited
                 break
             if not running(*owner):
-                group = os.getpgrp()
                 try:
-                    if group == server:  # the server leads its own group: the whole group
+                    if leads:
                         os.killpg(group, signal.SIGKILL)
                     else:
                         os.kill(server, signal.SIGKILL)
@@ -129,12 +129,17 @@ def _records(directory) -> Path:
     return Path(directory) / RECORDS
 
 
-def record(directory, pid: int, what: str) -> Path:
-    """Note a process this process launched (the leader of its own group) under `directory`/pids."""
+def record(directory, pid: int, what: str) -> Optional[Path]:
+    """Note a process this process launched (the leader of its own group) under `directory`/pids, with its start time
+    and ours. None (no record) when its start time cannot be told: it is gone already, or there is no /proc; a
+    record without one could later name whatever process reuses the pid."""
+    start, own = start_time(pid), start_time(os.getpid())
+    if not start or not own:
+        return None
     d = _records(directory)
     d.mkdir(parents=True, exist_ok=True)
-    entry = {"pid": int(pid), "start": start_time(pid) or 0, "boot": _boot_id(), "host": socket.gethostname(),
-             "owner_pid": os.getpid(), "owner_start": start_time(os.getpid()) or 0, "what": str(what)}
+    entry = {"pid": int(pid), "start": start, "boot": _boot_id(), "host": socket.gethostname(),
+             "owner_pid": os.getpid(), "owner_start": own, "what": str(what)}
     path = d / f"{entry['host']}.{int(pid)}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(entry) + "\n")

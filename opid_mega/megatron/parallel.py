@@ -59,7 +59,8 @@ def _peer(rank: int) -> str:
     return f"global rank {rank}"
 
 
-def _lost_line(ranks: list, seconds: float, what: str) -> str:
+def _lost_line(ranks: list, seconds: float, what: str, where: str = "on the control group",
+               bound: str = "deploy.control_timeout_s") -> str:
     if not ranks:
         who = "a rank of the job"
     else:
@@ -69,8 +70,8 @@ def _lost_line(ranks: list, seconds: float, what: str) -> str:
             nodes.setdefault((node, host), []).append(r)
         who = "; ".join(f"node {n} (host {h}, global rank{'s' if len(rs) > 1 else ''} "
                         f"{', '.join(str(r) for r in rs)})" for (n, h), rs in nodes.items())
-    return (f"lost {who}: {what} within {seconds:g} s on the control group (the node is down, cut off or stopped; "
-            "bound: deploy.control_timeout_s, docs/multi-node.md); the job ends, exit 5; resume with --resume auto")
+    return (f"lost {who}: {what} within {seconds:g} s {where} (the node is down, cut off or stopped; "
+            f"bound: {bound}, docs/multi-node.md); the job ends, exit 5; resume with --resume auto")
 
 
 def _reporter_for(lost: int) -> bool:
@@ -123,15 +124,23 @@ def _roll_call() -> None:
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: float = 300,
-               backend: str = "auto", control_timeout_s: float = 86400, gpu_ids: list | None = None) -> None:
+               backend: str = "auto", control_timeout_s: float = 86400, gpu_ids: list | None = None,
+               heartbeat_timeout_s: float | None = None, prog: str = "opid-train") -> None:
     """Initialise torch.distributed (if needed) and megatron's model-parallel groups; DP = world / (tp*pp).
     ``backend``: "auto" | "nccl" | "gloo" (:func:`resolve_backend`). ``timeout_s`` bounds every collective of the
     training groups (a hung rank fails the run after it); ``control_timeout_s`` bounds the waits on the control
-    group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation."""
+    group (:func:`control_group`), where ranks wait for rank 0's rollout, analysis and evaluation.
+    ``heartbeat_timeout_s`` (several ranks): every rank's heartbeat (opid_mega.megatron.heartbeat); a node silent
+    that long ends the job with one line (`prog`: its prefix) naming it, wherever the ranks are."""
     global _CONTROL, _CONTROL_TIMEOUT_S, _PEERS
     backend = resolve_backend(backend)
     cpu_compat.apply()
     if not dist.is_initialized():
+        from opid_mega.infra.hosts import set_socket_ifname
+
+        # gloo's and NCCL's interface, unless set (every launcher): never the host name's address, which a stock
+        # /etc/hosts maps to 127.0.1.1 (opid_mega.infra.hosts; BindHostError names the fix when none can be told)
+        set_socket_ifname()
         # NCCL only: a gloo run needs no device of its own (several gloo ranks on a machine with fewer GPUs than
         # ranks would otherwise ask for a GPU that does not exist: "invalid device ordinal")
         if backend == "nccl":  # local rank i -> gpu_ids[i] (opid_mega.placement: the node's training GPUs), else GPU i
@@ -140,20 +149,17 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
                 raise ValueError(f"local rank {local} has no training GPU: this node's training GPUs are {gpu_ids} "
                                  "(deploy.train_gpus_per_node); start as many ranks per node as training GPUs")
             torch.cuda.set_device(gpu_ids[local] if gpu_ids else local)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        timeout = datetime.timedelta(seconds=timeout_s)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            # A lone process hosts its own rendezvous: take a fresh port rather than one inherited from a parent
-            # (a test runner, a benchmark driver) that may still be listening on it; under torchrun's agent store
-            # the port is the agent's, where the store already listens.
-            os.environ["MASTER_PORT"] = str(_free_port())
+            # A lone process meets no one: an in-process store, nothing listening (env:// would serve an
+            # unauthenticated TCPStore on every address, [::]:MASTER_PORT, for the whole run). Under torchrun's
+            # agent store a one-rank world keeps the agent's store, where it already listens.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(
-            backend,
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+            dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")),
+                                    world_size=int(os.environ.get("WORLD_SIZE", "1")), timeout=timeout)
     world = dist.get_world_size()
     # every rank creates every group in the same order: the control group first, before megatron's
     _CONTROL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)) \
@@ -162,6 +168,8 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     # every rank's host and node (torchrun's GROUP_RANK), to name a lost node in one line (NodeLost)
     _PEERS = []
     _PEERS = all_gather_control((socket.gethostname(), int(os.environ.get("GROUP_RANK", "0"))))
+    if world > 1 and heartbeat_timeout_s:
+        _start_heartbeat(float(heartbeat_timeout_s), prog)
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if vpp is not None and vpp > 1 and pp < 2:
@@ -174,6 +182,41 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 123
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+_HEARTBEAT = None  # this rank's opid_mega.megatron.heartbeat.Heartbeat
+
+
+def _start_heartbeat(timeout_s: float, prog: str) -> None:
+    """This rank's heartbeat in the job's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent store, or global
+    rank 0's), through a connection of its own, its keys under a per-run secret prefix drawn by rank 0."""
+    global _HEARTBEAT
+    import secrets
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from opid_mega.config import beat_interval
+    from opid_mega.megatron.heartbeat import Heartbeat
+
+    stop_heartbeat()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    prefix = broadcast(lambda: f"opid_heartbeat_{secrets.token_hex(16)}")
+    if not addr or not port:
+        return  # no rendezvous store to beat in (a process group made some other way)
+    client = TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=max(1.0, beat_interval(timeout_s))))
+    _HEARTBEAT = Heartbeat(PrefixStore(prefix, client), dist.get_rank(), dist.get_world_size(), timeout_s,
+                           describe=lambda ranks, s: _lost_line(ranks, s, "no heartbeat", "in the rendezvous store",
+                                                                "deploy.heartbeat_timeout_s"),
+                           reports=_reporter_for, prog=prog).start()
+
+
+def stop_heartbeat() -> None:
+    """This rank ended its work (its peers must not count it as lost)."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
 
 
 def control_group():
@@ -238,6 +281,7 @@ def all_gather_control(obj) -> list:
 
 def destroy() -> None:
     global _CONTROL, _PEERS
+    stop_heartbeat()
     _CONTROL, _PEERS = None, []
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():

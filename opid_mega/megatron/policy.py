@@ -35,7 +35,7 @@ def minibatch_plan(num_samples: int, mini_batch_size: int, epochs: int, shuffle:
 class Policy:
     """Megatron model chunks + DDP + optimizer + frozen reference copy, built from an HF directory."""
 
-    def __init__(self, cfg: Config, hf_dir: str):
+    def __init__(self, cfg: Config, hf_dir: str, prog: str = "opid-train"):
         from transformers import AutoConfig
 
         from opid_mega.megatron import parallel, weights
@@ -52,7 +52,7 @@ class Policy:
                      else int(os.environ.get("WORLD_SIZE", "1")))
         parallel.initialize(p.tp, p.pp, p.vpp, seed=cfg.train.seed, backend=p.backend,
                             timeout_s=cfg.deploy.train_timeout_s, control_timeout_s=control_timeout(cfg),
-                            gpu_ids=_train_gpus(cfg))
+                            gpu_ids=_train_gpus(cfg), heartbeat_timeout_s=cfg.deploy.heartbeat_timeout_s, prog=prog)
         if cfg.train.save_interval:  # the checkpoint writer's queue, made while the model builds (see the function)
             from opid_mega.megatron.checkpoint import prepare_writer
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -100,12 +101,59 @@ def feeders(servers: list, ranks: list) -> dict:
     return out
 
 
-def open_store(host: str, world_size: int, timeout):
-    """(TCPStore, its listening fd): a store served by this process on `host` only (an IP address: loopback when every
-    member runs on this machine, else this node's cluster address), never on every address as TCPStore(host, 0, ...)
-    listens. The socket is bound here and handed over (master_listen_fd: the store owns the fd from then on and closes
-    it when it ends). Pass the fd to `close_listener` once every member has connected: the members keep their
-    connections, anyone else is refused from then on."""
+class GroupStore(dist.Store):
+    """The store a weight-update group forms on: served by this process on one address (`open_store`) while the
+    group's members meet, then let go (`close`) once the group has formed and carried its first update (NCCL creates
+    its communicator at the first collective, through the store). After `close` the TCPStore is gone: its listening
+    socket closed, its event loop ended (a store whose listening socket is merely shut spins its event loop at ~0.9 of
+    a core for as long as it lives), so nobody can connect any more and nothing polls; the group keeps its
+    connections. A store call after `close` is an error that says so."""
+
+    def __init__(self, inner, port: int):
+        super().__init__()
+        self._inner, self.port = inner, int(port)
+
+    def _store(self):
+        if self._inner is None:
+            raise RuntimeError("the weight-update group's store was closed once the group had formed")
+        return self._inner
+
+    def close(self) -> None:
+        self._inner = None  # the last reference: the TCPStore's server stops and closes its socket
+
+    def set(self, key, value):
+        return self._store().set(key, value)
+
+    def get(self, key):
+        return self._store().get(key)
+
+    def add(self, key, amount):
+        return self._store().add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        return self._store().compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self._store().wait(keys) if timeout is None else self._store().wait(keys, timeout)
+
+    def check(self, keys):
+        return self._store().check(keys)
+
+    def delete_key(self, key):
+        return self._store().delete_key(key)
+
+    def num_keys(self):
+        return self._store().num_keys()
+
+    def set_timeout(self, timeout):
+        return self._store().set_timeout(timeout)
+
+
+def open_store(host: str, world_size: int, timeout) -> GroupStore:
+    """A GroupStore served by this process on `host` only (an IP address: loopback when every member runs on this
+    machine, else this node's cluster address), never on every address as TCPStore(host, 0, ...) listens: the socket
+    is bound here and handed to the TCPStore (master_listen_fd: the store owns the fd and closes it when it ends).
+    `close()` it once the group has formed."""
     import socket
 
     from torch.distributed import TCPStore
@@ -120,21 +168,9 @@ def open_store(host: str, world_size: int, timeout):
     except BaseException:
         listener.close()
         raise
-    return store, listener.detach()
-
-
-def close_listener(fd: int) -> None:
-    """Stop a store made by `open_store` from taking new connections; the established ones go on (the store's server
-    keeps serving them). shutdown(), never close(): the fd is the store's until it ends."""
-    import socket
-
-    s = socket.socket(fileno=fd)
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        s.detach()
+    port = listener.getsockname()[1]
+    listener.detach()
+    return GroupStore(store, port)
 
 
 def _is_local(url: str) -> bool:
@@ -533,10 +569,12 @@ class WeightSync:
         # Rank 0 hosts the group's store itself: init_custom_process_group's tcp:// rendezvous would not, under
         # torchrun (TORCHELASTIC_USE_AGENT_STORE makes every rank a client of a store nobody serves: both sides
         # then wait until the timeout). On `host` alone (open_store), and only until the group's first update.
-        store, listener = open_store(host, 1 + e.tp_size, timeout)
+        store = open_store(host, 1 + e.tp_size, timeout)
         port = store.port
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        name = f"opid_weights_{port}"
+        # the group's keys in the store are under its name: a secret, so that no one who reaches the store while it
+        # is open can guess them (the server learns it over its authenticated HTTP endpoint)
+        name = f"opid_weights_{secrets.token_hex(16)}"
         err: dict = {}
 
         def join():
@@ -547,18 +585,20 @@ class WeightSync:
 
         th = threading.Thread(target=join, daemon=True)
         th.start()
-        # the server side wraps the store as PrefixStore(group name, ...): the same keys here
-        group = init_custom_process_group(backend=backend, store=PrefixStore(name, store), world_size=1 + e.tp_size,
-                                          rank=0, group_name=name, timeout=timeout)
+        # the server side wraps the store as PrefixStore(group name, ...): the same keys here; a gloo group listens
+        # on `host`'s interface, where the server reaches it (not the interface of the trainer's own groups)
+        from opid_mega.infra.hosts import gloo_interface
+
+        with gloo_interface(host):
+            group = init_custom_process_group(backend=backend, store=PrefixStore(name, store),
+                                              world_size=1 + e.tp_size, rank=0, group_name=name, timeout=timeout)
         th.join(timeout.total_seconds())
         if th.is_alive():
             raise RuntimeError(f"{e.url}: init_weights_update_group did not return within {timeout.total_seconds():g} s")
         if "e" in err:
             raise err["e"]
-        self._stores = getattr(self, "_stores", {})
-        self._stores[e.url] = store  # the group's store lives as long as the group
-        self._open_listeners = getattr(self, "_open_listeners", {})
-        self._open_listeners[e.url] = listener  # until the group's first update went through (_via_distributed)
+        self._open_stores = getattr(self, "_open_stores", {})
+        self._open_stores[e.url] = store  # until the group's first update went through (_via_distributed)
         self.groups[e.url] = (group, name)
         return self.groups[e.url]
 
@@ -587,10 +627,10 @@ class WeightSync:
         finally:
             for e in started:
                 e.end_update(version if ok else None)
-        for url in groups:  # every rank of these groups is connected now: the stores take no new connection
-            listener = getattr(self, "_open_listeners", {}).pop(url, None)
-            if listener is not None:
-                close_listener(listener)
+        for url in groups:  # these groups have formed and carried an update: their stores go
+            store = getattr(self, "_open_stores", {}).pop(url, None)
+            if store is not None:
+                store.close()
         return sent
 
     # ---- the probe check ----------------------------------------------------------------------------------------

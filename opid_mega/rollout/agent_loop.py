@@ -201,6 +201,7 @@ class AgentLoop:
             tokenizer, model_path)
         self._envs: list = []
         self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="opid-env")
+        self._stop = threading.Event()
 
     # ---- env pool -----------------------------------------------------------------------------------------------
     def _drop_env(self, k: int, wait: bool = True) -> None:
@@ -220,6 +221,11 @@ class AgentLoop:
             close()
         else:
             threading.Thread(target=close, daemon=True, name="opid-env-close").start()
+
+    def stop(self) -> None:
+        """Ask a rollout running in another thread to end at its next step (the trainer is shutting down): the
+        trajectories still running end as if the deadline had passed. Later rollouts end at once."""
+        self._stop.set()
 
     def close(self) -> None:
         for env in self._envs:
@@ -295,14 +301,14 @@ class AgentLoop:
         list(self._pool.map(reset, range(n)))
 
         def past_deadline(running, step: int) -> None:
+            why = "the rollout was stopped" if self._stop.is_set() else \
+                f"rollout.deadline_s={deadline_s:g} s passed"
             for lv in running:
-                lv.traj.error = (f"rollout deadline: rollout.deadline_s={deadline_s:g} s passed at step {step}, "
-                                 "before the episode ended")
+                lv.traj.error = f"rollout deadline: {why} at step {step}, before the episode ended"
                 lv.traj.deadline_failure = True
                 lv.done = True
             if running:
-                log.warning("rollout deadline (%g s) passed at step %d: %d trajectories ended unfinished",
-                            deadline_s, step, len(running))
+                log.warning("rollout ended at step %d (%s): %d trajectories ended unfinished", step, why, len(running))
 
         step = 0
         while True:
@@ -311,7 +317,7 @@ class AgentLoop:
                 break
             if not live:
                 break
-            if deadline is not None and time.monotonic() >= deadline:
+            if (deadline is not None and time.monotonic() >= deadline) or self._stop.is_set():
                 past_deadline(live, step)
                 break
             prompts: list[tuple[_Live, str, list[int], int, int]] = []

@@ -42,7 +42,10 @@ request routed there pays a failed attempt and a backoff. The fleet therefore (1
 workers whose process has exited out of its rotation AND out of the router (`DELETE /workers/{id}`), and (2) keeps
 its own retry on top of the router's: a request the router answers with an error (its retries exhausted, or no
 worker left) makes the fleet probe every worker's /health, drop the dead ones (from the router too) and re-send the
-prompt (counted in rollout/retried_requests); if the router process itself has died, the fleet falls back to client
+prompt (counted in rollout/retried_requests). The probes of every worker run at once, in one burst that the failures
+share (a failure waits for the burst running, or reads one that started after it failed), and neither a probe nor a
+call to the router runs past the rollout deadline: a probe the deadline cut short leaves its worker in rotation, and a
+call with a failing worker ends within its deadline; if the router process itself has died, the fleet falls back to client
 balancing over the live workers. In router mode each prompt is its own request (the router's typed /generate takes
 one sampling_params object, not SGLang's per-prompt list, so per-prompt seeds need one request each), at most
 `max_threads` in flight; per-server prompt counts are known only in client mode (the router does not say which
@@ -72,10 +75,40 @@ import torch
 from opid_mega.infra import shutdown as _shutdown
 from opid_mega.infra.redact import redact_args
 from opid_mega.rollout.engine import EngineError, GenerationResult, RolloutDeadline, SamplingParams, check_prompts
-from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, free_port, with_dtype
+from opid_mega.rollout.sglang_engine import SGLangEngine, _has_flag, _signal_group, reserve_port, with_dtype
 
 _REQUEST_ERROR = re.compile(r"failed with HTTP 4\d\d")  # SGLangEngine's message for a rejected (non-retried) request
 _SERVER_ERRORS = (EngineError, requests.RequestException, OSError)
+HEALTH_PROBE_S = 10.0  # a worker's /health answer within this (SGLang's runs a generation: >= 1 s)
+ROUTER_CALL_S = 10.0  # a call to the router's own API (/workers)
+
+
+def _time_left(limit: float, deadline: Optional[float]) -> float:
+    """`limit` seconds, or less: what is left to `deadline` (time.monotonic()); RolloutDeadline when nothing is."""
+    if deadline is None:
+        return limit
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RolloutDeadline("the rollout deadline has passed")
+    return min(limit, left)
+
+
+def _at_once(calls: Sequence) -> list:
+    """Each call in a thread of its own, all at once; their results in order (an exception counts as None)."""
+    out: list = [None] * len(calls)
+
+    def run(k: int) -> None:
+        try:
+            out[k] = calls[k]()
+        except Exception:  # noqa: BLE001 - a failed probe or call is no answer
+            out[k] = None
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True, name="fleet-probe") for k in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 def _short(error: BaseException, limit: int = 300) -> str:
@@ -180,7 +213,7 @@ class FleetEngine:
                 self._mark_dead(s, error)
                 remove = getattr(self, "_remove_from_router", None)
                 if remove is not None and getattr(self, "router_alive", False):
-                    remove(s)
+                    remove([s])
 
     def dead_servers(self) -> dict[str, str]:
         """url -> the error that took it out of rotation."""
@@ -226,8 +259,10 @@ class FleetEngine:
         """True when nothing is left to send to (every server dead)."""
         return not self._live()
 
-    def _on_failure(self, target: _Target, error: BaseException) -> None:
-        """A chunk failed on `target` (not a request error): take the server out of rotation."""
+    def _on_failure(self, target: _Target, error: BaseException, deadline: Optional[float] = None,
+                    seen: Optional[float] = None) -> None:
+        """A chunk failed on `target` (not a request error; seen failed at time.monotonic() `seen`): take the server
+        out of rotation. Nothing here runs past `deadline`."""
         self._mark_dead(target.server, _short(error))
 
     def _on_success(self, target: _Target, n_prompts: int) -> None:
@@ -288,6 +323,7 @@ class FleetEngine:
                     time.sleep(0.01)  # every live server is full with other calls' work
                     continue
                 done, _ = wait(list(inflight), return_when=FIRST_COMPLETED, timeout=left)
+                seen = time.monotonic()
                 for fut in done:
                     target, chunk, tokens, key = inflight.pop(fut)
                     self._add_load(target, len(chunk), tokens, -1)
@@ -305,7 +341,7 @@ class FleetEngine:
                     if isinstance(error, RolloutDeadline) or _is_request_error(error) or \
                             not isinstance(error, _SERVER_ERRORS):
                         raise error
-                    self._on_failure(target, error)
+                    self._on_failure(target, error, deadline, seen)
                     cid = chunk[0]
                     tries[cid] = tries.get(cid, 0) + 1
                     if tries[cid] >= max_attempts:
@@ -456,7 +492,8 @@ class RouterFleet(FleetEngine):
         self._api_key = api_key or None
         self._auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         self.host = host
-        self.router_port = port or free_port(host)
+        reserved = [] if port else [reserve_port(host)]  # held until the router listens on them (_wait_router)
+        self.router_port = port or reserved[0].getsockname()[1]
         self.router_url = http_url(host, self.router_port)
         self.command = [python, "-m", "opid_mega.infra.keyed", "sglang_router.launch_router",
                         "--worker-urls", *self.urls, "--host", host, "--port", str(self.router_port)]
@@ -466,7 +503,8 @@ class RouterFleet(FleetEngine):
         # default 29000 would clash between two runs on one host)
         self.metrics_port = None
         if not _has_flag(router_args, "--prometheus-port"):
-            self.metrics_port = free_port(host)
+            reserved.append(reserve_port(host))
+            self.metrics_port = reserved[-1].getsockname()[1]
             self.command += ["--prometheus-port", str(self.metrics_port), "--prometheus-host", host]
         self.command += [str(a) for a in router_args]
         self.router_alive = True
@@ -502,6 +540,8 @@ class RouterFleet(FleetEngine):
         self.request_timeout_s = float(request_timeout_s)
         self.health_interval_s = float(health_interval_s)
         self._probed_at = time.monotonic()  # the workers were checked just now (they were started or attached)
+        self._burst: Optional[tuple] = None  # (start time, Future) of the failures' probe burst (_on_failure)
+        self._burst_lock = threading.Lock()
         self._router_session = requests.Session()
         self._router_session.headers.update(self._auth)
         try:
@@ -509,6 +549,9 @@ class RouterFleet(FleetEngine):
         except BaseException:
             self._stop_router()
             raise
+        finally:
+            for held in reserved:
+                held.close()
 
     @property
     def url(self) -> str:
@@ -551,15 +594,40 @@ class RouterFleet(FleetEngine):
                    if isinstance(w, dict) and w.get("is_healthy", True)}
         return all(u in healthy for u in (s.url for s in self._live()))
 
-    def _remove_from_router(self, server: _Server) -> None:
-        """DELETE /workers/{id} (sglang-router 0.3.2 names workers by a UUID that /workers lists with their url)."""
+    def _remove_from_router(self, servers: Sequence[_Server], deadline: Optional[float] = None) -> None:
+        """DELETE /workers/{id} of each (sglang-router 0.3.2 names workers by a UUID that /workers lists with their
+        url): one listing, then the deletions at once; no call runs past `deadline`."""
         try:
-            listing = requests.get(self.router_url + "/workers", timeout=10, headers=self._auth).json()
-            for w in listing.get("workers", []):
-                if str(w.get("url", "")).rstrip("/") == server.url:
-                    requests.delete(f"{self.router_url}/workers/{w['id']}", timeout=10, headers=self._auth)
-        except (requests.RequestException, ValueError, KeyError, AttributeError):
+            timeout = _time_left(ROUTER_CALL_S, deadline)
+            listing = requests.get(self.router_url + "/workers", timeout=timeout, headers=self._auth).json()
+            urls = {s.url for s in servers}
+            ids = [w["id"] for w in listing.get("workers", []) if str(w.get("url", "")).rstrip("/") in urls]
+            if ids:
+                _at_once([lambda i=i: requests.delete(f"{self.router_url}/workers/{i}", headers=self._auth,
+                                                      timeout=_time_left(ROUTER_CALL_S, deadline)) for i in ids])
+        except (requests.RequestException, ValueError, KeyError, AttributeError, RolloutDeadline):
             pass
+
+    def _probe(self, servers: Sequence[_Server], why: str, deadline: Optional[float]) -> None:
+        """/health of every one of `servers` at once, each within HEALTH_PROBE_S and the time left to `deadline`; a
+        worker that fails its probe leaves rotation and the router. A probe the deadline cut short proves nothing:
+        that worker stays (a later failure probes it again)."""
+        def probe(s: _Server):
+            try:
+                timeout = _time_left(HEALTH_PROBE_S, deadline)
+            except RolloutDeadline:
+                return None
+            t0 = time.monotonic()
+            ok = s.engine.health(timeout=timeout)
+            cut = timeout < HEALTH_PROBE_S and time.monotonic() - t0 >= 0.9 * timeout
+            return None if not ok and cut else ok
+
+        answers = _at_once([lambda s=s: probe(s) for s in servers])
+        dead = [s for s, ok in zip(servers, answers) if ok is False]
+        for s in dead:
+            self._mark_dead(s, why)
+        if dead and self.router_alive:
+            self._remove_from_router(dead, deadline)
 
     def _router_send(self, prompts: list, sampling: SamplingParams, seeds: list,
                      deadline: Optional[float] = None) -> list[GenerationResult]:
@@ -613,47 +681,53 @@ class RouterFleet(FleetEngine):
             return None
         return _Target(None, self._router_send)
 
-    def _on_failure(self, target: _Target, error: BaseException) -> None:
+    def _on_failure(self, target: _Target, error: BaseException, deadline: Optional[float] = None,
+                    seen: Optional[float] = None) -> None:
         if target.server is not None:  # client fallback after the router died
-            return super()._on_failure(target, error)
+            return super()._on_failure(target, error, deadline, seen)
         if self._router_proc.poll() is not None:
             self.router_alive = False
             self.router_error = f"router exited with code {self._router_proc.returncode}"
-        # Which worker failed is not known: probe them all, take the dead ones out of rotation and out of the router.
-        self._probed_at = time.monotonic()
-        for s in self._live():
-            if not s.engine.health():
-                self._mark_dead(s, f"failed its health check after a request through the router failed "
-                                   f"({_short(error)})")
-                if self.router_alive:
-                    self._remove_from_router(s)
+        # Which worker failed is not known: every live worker is probed, in one burst that the failures share (one
+        # running, or one that started after this failure was seen, answers for it too), and nothing waits for it
+        # past the deadline.
+        with self._burst_lock:
+            burst = self._burst
+            if burst is None or (burst[1].done() and (seen is None or burst[0] < seen)):
+                why = f"failed its health check after a request through the router failed ({_short(error)})"
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-probe")
+                burst = self._burst = (time.monotonic(), pool.submit(self._probe, self._live(), why, deadline))
+                pool.shutdown(wait=False)
+                self._probed_at = burst[0]
+        wait([burst[1]], timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def _prune(self) -> None:
-        """Take workers whose launched process has exited out of rotation and out of the router (no HTTP), and
-        attached workers (another node's) that fail a /health probe, at most every health_interval_s (a failed
-        request probes every worker at once: _on_failure). The router itself keeps a dead worker listed healthy
-        until its health checks catch up, retrying every request that lands there on another worker."""
-        probe = time.monotonic() - self._probed_at >= self.health_interval_s
-        if probe:
-            self._probed_at = time.monotonic()
+    def _prune(self, deadline: Optional[float] = None) -> None:
+        """Take workers whose launched process has exited out of rotation and out of the router, and attached
+        workers (another node's) that fail a /health probe, probed at once at most every health_interval_s (a failed
+        request probes every worker: _on_failure); nothing runs past `deadline`. The router itself keeps a dead
+        worker listed healthy until its health checks catch up, retrying every request that lands there on another
+        worker."""
+        gone = []
         for s in self._live():
             proc = getattr(s.engine, "_proc", None)
             if proc is not None and proc.poll() is not None:
                 self._mark_dead(s, f"server process exited with code {proc.returncode}")
-            elif proc is None and probe and not s.engine.health():  # attached: a /health probe per interval
-                self._mark_dead(s, f"failed its health check (every {self.health_interval_s:g} s)")
-            else:
-                continue
-            if self.router_alive:
-                self._remove_from_router(s)
+                gone.append(s)
+        if gone and self.router_alive:
+            self._remove_from_router(gone, deadline)
+        attached = [s for s in self._live() if getattr(s.engine, "_proc", None) is None]
+        if attached and time.monotonic() - self._probed_at >= self.health_interval_s:
+            self._probed_at = time.monotonic()
+            self._probe(attached, f"failed its health check (every {self.health_interval_s:g} s)", deadline)
         if self.router_alive and self._router_proc.poll() is not None:
             self.router_alive = False
             self.router_error = f"router exited with code {self._router_proc.returncode}"
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  seeds: Optional[Sequence[int]] = None, deadline: Optional[float] = None) -> list[GenerationResult]:
-        """As FleetEngine.generate: no request runs past `deadline` (RolloutDeadline) nor request_timeout_s."""
-        self._prune()
+        """As FleetEngine.generate: no request, probe or router call runs past `deadline` (RolloutDeadline), no
+        request past request_timeout_s."""
+        self._prune(deadline)
         return super().generate(prompt_ids, sampling, seeds, deadline=deadline)
 
     def health(self) -> bool:

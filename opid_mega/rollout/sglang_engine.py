@@ -83,25 +83,37 @@ def _ephemeral_range() -> tuple:
         return 32768, 60999  # Linux's default
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (the address the server will bind), below the kernel's ephemeral range when there is
-    room: a server binds its port only after a minute of start-up, and an ephemeral port can meanwhile become the
-    source port of any outgoing connection on the machine (a port the kernel handed out for bind(0) is one)."""
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP port on `host` (the address the server will bind) held for a server about to start: a socket bound to it
+    and never listening, its SO_REUSEADDR set only after the bind. While it is open, every other bind of the port
+    fails (another start's reservation, a probe, the kernel's bind(0) and the source ports of outgoing connections),
+    while the server, which binds with SO_REUSEADDR as uvicorn (SGLang) and tokio (sglang-router) do, binds and
+    listens on it (Linux admits two SO_REUSEADDR sockets on one port when neither listens). Close it once the server
+    listens: a port probed free and released at once could be taken by a server started beside it meanwhile. Below
+    the kernel's ephemeral range when there is room (a server binds its port only after a minute of start-up)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    def bind(port: int) -> Optional[socket.socket]:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            s.bind((host, port))  # without SO_REUSEADDR: exclusive against every other reservation and probe
+        except OSError:
+            s.close()
+            return None
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # now the server may bind it beside this socket
+        return s
+
     lo, _ = _ephemeral_range()
     if lo > 11000:
         rng = random.Random()
         for _ in range(64):
-            port = rng.randrange(10000, lo)
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            held = bind(rng.randrange(10000, lo))
+            if held is not None:
+                return held
+    held = bind(0)
+    if held is None:
+        raise OSError(f"no TCP port to reserve on {host}")
+    return held
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
@@ -341,7 +353,8 @@ class SGLangEngine:
                 cpu = not torch.cuda.is_available()
             from opid_mega.infra.hosts import http_url
 
-            port = port or free_port(host)
+            self._reserved = reserve_port(host) if not port else None  # held until the server listens on it
+            port = port or self._reserved.getsockname()[1]
             self.url = http_url(host, port)
             cpu_serving = cpu or _flag_value(server_args, "--device") == "cpu"
             if cpus and cpu_serving:  # SGLang's own CPU binding: its OpenMP threads on exactly these cores
@@ -351,12 +364,15 @@ class SGLangEngine:
                     server_args = list(server_args) + ["--max-total-tokens", "16384"]
             self.command = build_server_command(model_path, host, port, server_args, cpu=cpu, python=python)
             t0 = time.monotonic()
-            self._launch(cpu_serving, log_dir, env)
             try:
+                self._launch(cpu_serving, log_dir, env)
                 self._wait_ready(startup_timeout_s)
             except BaseException:
                 self.shutdown()
                 raise
+            finally:
+                if self._reserved is not None:
+                    self._reserved.close()
             self.start_time_s = time.monotonic() - t0
         info = self._request("GET", "/server_info", retries=self.max_retries)
         from opid_mega.infra.redact import redact_tree
@@ -781,11 +797,12 @@ class SGLangEngine:
                               f"): {str(out)[:300]!r}")
         return out
 
-    def health(self) -> bool:
+    def health(self, timeout: float = 10.0) -> bool:
+        """GET /health answered 200 within `timeout` s (SGLang's /health runs a generation: >= 1 s)."""
         if self._closed or (self._proc is not None and self._proc.poll() is not None):
             return False
         try:
-            return self._session.get(self.url + "/health", timeout=10).status_code == 200
+            return self._session.get(self.url + "/health", timeout=timeout).status_code == 200
         except requests.RequestException:
             return False
 

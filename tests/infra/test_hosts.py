@@ -230,15 +230,55 @@ def test_socket_ifname_follows_node_addr_then_the_route_and_refuses_a_name_on_lo
         assert hosts.socket_ifname(addr, 2) == name
     with pytest.raises(hosts.BindHostError, match="NODE_ADDR=192.0.2.250 is not an IPv4 address of an interface"):
         hosts.socket_ifname("localhost", 2, node_addr="192.0.2.250")
-    # a stock Debian/Ubuntu /etc/hosts: this node's own name on 127.0.1.1
+    # a stock Debian/Ubuntu /etc/hosts: this node's own name on 127.0.1.1 (the rendezvous is on this node)
     real = hosts._resolve
     monkeypatch.setattr(hosts, "_resolve", lambda h: ["127.0.1.1"] if h == "node0" else real(h))
     assert hosts.socket_ifname("node0", 1) == lo  # one node: nothing needs the network
+    monkeypatch.setattr(hosts, "cluster_interfaces", lambda: ["eth7"])
+    assert hosts.socket_ifname("node0", 2) == "eth7"  # its one cluster interface is where the others reach it
+    monkeypatch.setattr(hosts, "cluster_interfaces", lambda: ["eth0", "ib0"])
     with pytest.raises(hosts.BindHostError) as e:
         hosts.socket_ifname("node0", 2)
     msg = str(e.value)
     assert "\n" not in msg and "'node0' resolves to 127.0.1.1 (loopback)" in msg and "set NODE_ADDR" in msg
+    assert "this node has 2 (eth0, ib0)" in msg
     r = subprocess.run([sys.executable, "-m", "opid_mega.infra.hosts", "socket-ifname", "nosuch.invalid", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
     assert "'nosuch.invalid' does not resolve" in r.stderr
+
+
+def test_cluster_interfaces_are_up_and_not_loopback():
+    from opid_mega.infra import hosts
+
+    found = hosts.cluster_interfaces()
+    assert hosts.interface_of("127.0.0.1") not in found
+    for name in found:
+        assert hosts._is_up(name) and not hosts.interface_address(name).startswith("127.")
+
+
+def test_every_launcher_gets_the_interface_at_process_group_set_up(monkeypatch):
+    """opid_mega.megatron.parallel.initialize sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when unset
+    (hosts.set_socket_ifname), from MASTER_ADDR, the job's node count and NODE_ADDR: a plain torchrun, the Ray
+    launcher and one process get what tools/launch/torchrun.sh sets."""
+    from opid_mega.infra import hosts
+
+    lo = hosts.interface_of("127.0.0.1")
+    env = {"MASTER_ADDR": "198.18.0.1"}  # a lone process meets no one: gloo on loopback, NCCL left to itself
+    assert hosts.set_socket_ifname(env) == lo and env == {"MASTER_ADDR": "198.18.0.1", "GLOO_SOCKET_IFNAME": lo}
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}
+    assert hosts.set_socket_ifname(env) == lo and env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == lo
+    env = {"WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "ib0", "MASTER_ADDR": "127.0.0.1"}  # one given: kept
+    assert hosts.set_socket_ifname(env) == lo and env["GLOO_SOCKET_IFNAME"] == "ib0" and env["NCCL_SOCKET_IFNAME"] == lo
+    env = {"WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib1"}
+    assert hosts.set_socket_ifname(env) is None and env["GLOO_SOCKET_IFNAME"] == "ib0"
+    with hosts.gloo_interface("127.0.0.1") as name:  # a weight-update group's own interface while it is made
+        assert name == lo and os.environ["GLOO_SOCKET_IFNAME"] == lo
+    assert hosts.job_nodes({"GROUP_WORLD_SIZE": "3", "WORLD_SIZE": "6"}) == 3
+    assert hosts.job_nodes({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}) == 1
+    assert hosts.job_nodes({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == 2 and hosts.job_nodes({}) == 1
+    real = hosts._resolve
+    monkeypatch.setattr(hosts, "_resolve", lambda h: ["127.0.1.1"] if h == "node0" else real(h))
+    monkeypatch.setattr(hosts, "cluster_interfaces", lambda: ["eth0", "ib0"])
+    with pytest.raises(hosts.BindHostError, match="torchrun --local-addr"):  # a plain torchrun on a stock node 0
+        hosts.set_socket_ifname({"MASTER_ADDR": "node0", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2"})

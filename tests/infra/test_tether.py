@@ -22,22 +22,37 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /
 LAUNCHER = textwrap.dedent("""
     import os, subprocess, sys, time
     from opid_mega.infra import tether
-    run_dir, tie = sys.argv[1], sys.argv[2] == "tie"
+    run_dir, tie, module = sys.argv[1], sys.argv[2] == "tie", sys.argv[3:]
     env = {**os.environ, **(tether.owner_env() if tie else {})}
-    p = subprocess.Popen([sys.executable, "-m", "opid_mega.infra.keyed", "http.server", "0", "--bind", "127.0.0.1"],
+    p = subprocess.Popen([sys.executable, "-m", "opid_mega.infra.keyed", *module],
                          env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tether.record(run_dir, p.pid, "test server")
     print(p.pid, flush=True)
     time.sleep(600)
 """)
+HTTP_SERVER = ["http.server", "0", "--bind", "127.0.0.1"]
+# a server with a child process in its group, as SGLang's scheduler and detokenizer are
+SERVER_WITH_CHILD = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    time.sleep(600)
+""")
 
 
-def _launch(run_dir, tie: bool):
-    """(launcher process, server pid) once the server group holds the server and, when tied, its watcher."""
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir), "tie" if tie else "free"],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def _launch(run_dir, tie: bool, module=None, members=None):
+    """(launcher process, server pid) once the server group holds the server, its other `members` and, when tied,
+    its watcher."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if module is None:
+        module = HTTP_SERVER
+    else:  # a module of the test's own, importable by the server
+        (run_dir / "server_with_child.py").write_text(module)
+        env["PYTHONPATH"] = os.pathsep.join([str(run_dir), env.get("PYTHONPATH", "")])
+        module = ["server_with_child"]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir), "tie" if tie else "free", *module],
+                                stdout=subprocess.PIPE, text=True, env=env)
     server = int(launcher.stdout.readline())
-    want = 2 if tie else 1
+    want = (2 if tie else 1) + (members or 0)
     t0 = time.monotonic()
     while len(group_members(server)) < want and time.monotonic() - t0 < 30:
         time.sleep(0.05)
@@ -50,6 +65,14 @@ def _wait_gone(pgid: int, timeout_s: float) -> float:
     while group_members(pgid) and time.monotonic() - t0 < timeout_s:
         time.sleep(0.05)
     return time.monotonic() - t0
+
+
+def _owner_killed(launcher, server: int) -> float:
+    """SIGKILL the launcher (the servers' owner), as the OOM killer would; seconds until the server's group is
+    empty (at most 10)."""
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    return _wait_gone(server, 10.0)
 
 
 def _killgroup_members(pgid: int) -> None:
@@ -77,9 +100,7 @@ def test_sigkilled_launcher_takes_its_server_along(tmp_path):
     launcher, server = _launch(tmp_path, tie=True)
     try:
         assert launcher.poll() is None
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        gone_s = _wait_gone(server, 10.0)
+        gone_s = _owner_killed(launcher, server)
         print(f"server group gone {gone_s:.2f} s after SIGKILL of its launcher")
         assert not group_members(server), "the server outlived its SIGKILLed launcher by 10 s"
     finally:
@@ -105,6 +126,49 @@ def test_the_server_exiting_first_ends_the_watcher(tmp_path):
         launcher.kill()
         launcher.wait()
         _killgroup_members(server)
+
+
+def test_the_group_dies_with_its_owner_when_the_server_died_first(tmp_path):
+    """The server (the group's leader) dies alone, leaving its child in the group: the watcher stays while the owner
+    lives, and once the owner is gone the child goes too (before, the watcher left with the server)."""
+    launcher, server = _launch(tmp_path, tie=True, module=SERVER_WITH_CHILD, members=1)
+    try:
+        watcher_and_child = [p for p in group_members(server) if p != server]
+        os.kill(server, signal.SIGKILL)
+        time.sleep(2.0)
+        assert sorted(group_members(server)) == sorted(watcher_and_child)  # the owner lives: nothing else is killed
+        gone_s = _owner_killed(launcher, server)
+        print(f"the server's child gone {gone_s:.2f} s after its owner's SIGKILL (the server died first)")
+        assert not group_members(server), "the server's child outlived the owner by 10 s"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        _killgroup_members(server)
+
+
+def test_start_times_are_always_recorded_and_an_unknown_one_matches_no_process(tmp_path):
+    """A record whose start time is unknown (0) names a live process of someone else now (its pid reused) whose owner
+    is gone: the sweep removes the record and kills nothing (before, start time 0 matched any process of that
+    pid). A process already gone gets no record; the owner's entry always carries a start time."""
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        assert tether.record(tmp_path, gone.pid, "gone at once") is None
+        assert not tether.running(bystander.pid, 0) and not tether.running(bystander.pid, None)
+        pid, start = tether.owner_env()[tether.OWNER_ENV].split(":")
+        assert int(pid) == os.getpid() and int(start) == tether.start_time(os.getpid()) > 0
+        (tmp_path / "pids").mkdir(exist_ok=True)
+        stale = tmp_path / "pids" / f"{os.uname().nodename}.{bystander.pid}.json"
+        stale.write_text(json.dumps({"pid": bystander.pid, "start": 0, "boot": tether._boot_id(),
+                                     "host": os.uname().nodename, "owner_pid": gone.pid, "owner_start": 1,
+                                     "what": "a record from before start times"}))
+        lines = []
+        assert tether.sweep(tmp_path, out=_Lines(lines)) == [] and lines == []
+        assert bystander.poll() is None and not stale.exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 class _Lines:

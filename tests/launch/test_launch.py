@@ -154,16 +154,22 @@ def fake_slurm(tmp_path: Path, nodes: int) -> dict:
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
         '#!/usr/bin/env bash\n'
-        '# scontrol show hostnames a,b,... -> one host per line\n'
-        '[[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
-        'tr "," "\\n" <<< "$3"\n')
+        '# scontrol show hostnames a,b,... -> one host per line; scontrol show node X -> its record, NodeAddr from\n'
+        '# $FAKE_NODE_ADDRS ("name=addr,..."; SLURM reports the name itself when slurm.conf gives no address)\n'
+        'if [[ "$1 $2" == "show hostnames" ]]; then tr "," "\\n" <<< "$3"; exit 0; fi\n'
+        '[[ "$1 $2" == "show node" ]] || { echo "fake scontrol: $*" >&2; exit 1; }\n'
+        'addr="$3"; for kv in ${FAKE_NODE_ADDRS//,/ }; do [[ "${kv%%=*}" == "$3" ]] && addr="${kv#*=}"; done\n'
+        'echo "NodeName=$3 Arch=x86_64 CoresPerSocket=8"; echo "   NodeAddr=$addr NodeHostName=$3 Version=24.05"\n')
     (bin_dir / "srun").write_text(
         '#!/usr/bin/env bash\n'
-        '# srun --nodes=N ... CMD ARGS: CMD once per node, in parallel, SLURM_NODEID/SLURM_PROCID set; fails if one does\n'
+        '# srun --nodes=N ... CMD ARGS: CMD once per node, in parallel, SLURM_NODEID/SLURM_PROCID/SLURMD_NODENAME set;\n'
+        '# fails if one does\n'
         'n=1; while [[ "$1" == --* ]]; do case "$1" in --nodes=*) n="${1#--nodes=}";; esac; shift; done\n'
         'echo "$*" > "$FAKE_SRUN_LOG.cmd"\n'
+        'IFS=, read -r -a names <<< "$SLURM_JOB_NODELIST"\n'
         'pids=(); for ((i = 0; i < n; i++)); do\n'
-        '  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" > "$FAKE_SRUN_LOG.$i" 2>&1 & pids+=($!)\n'
+        '  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME="${names[$i]}" "$@" > "$FAKE_SRUN_LOG.$i" 2>&1 &\n'
+        '  pids+=($!)\n'
         'done\n'
         'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n')
     for f in ("scontrol", "srun"):
@@ -174,17 +180,21 @@ def fake_slurm(tmp_path: Path, nodes: int) -> dict:
 
 
 def test_sbatch_template_generates_one_torchrun_per_node(tmp_path):
-    env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "h100:8", "OPID_LAUNCH_DRY_RUN": "1"}
+    """The rendezvous is on the head node's SLURM address (NodeAddr), each node's NODE_ADDR (torchrun
+    --local-addr) its own; a node SLURM knows by name only gets no NODE_ADDR (torchrun.sh finds its interface)."""
+    env = {**fake_slurm(tmp_path, 2), "SLURM_GPUS_PER_NODE": "h100:8", "OPID_LAUNCH_DRY_RUN": "1",
+           "FAKE_NODE_ADDRS": "gpu-a=10.1.0.1"}
     env["SLURM_JOB_NODELIST"] = "gpu-a,gpu-b"  # a dry run resolves no host
     r = subprocess.run(["bash", str(LAUNCH / "opid.sbatch"), "--config", CONFIG, "parallel.tp=2", "parallel.pp=2",
                         "deploy.nodes=2", "deploy.gpus_per_node=8"], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr + "".join((tmp_path / f"srun.{i}").read_text() for i in range(2))
-    assert "rendezvous gpu-a:29400" in r.stderr
+    assert "rendezvous 10.1.0.1:29400" in r.stderr
     for node in (0, 1):
         line = (tmp_path / f"srun.{node}").read_text().strip().splitlines()[-1]
         assert f"node {node}/2" in line and "--nnodes 2 --nproc-per-node 8" in line
-        assert "--rdzv-endpoint gpu-a:29400 --rdzv-id opid-4242" in line and f"is_host={int(node == 0)}" in line
+        assert "--rdzv-endpoint 10.1.0.1:29400 --rdzv-id opid-4242" in line and f"is_host={int(node == 0)}" in line
+        assert line.count("--local-addr") == (node == 0) and ("--local-addr 10.1.0.1 " in line) == (node == 0)
         assert line.endswith(f"-m opid_mega.cli --resume auto --config {CONFIG} parallel.tp=2 parallel.pp=2 "
                              "deploy.nodes=2 deploy.gpus_per_node=8")  # DP4: 8 ranks per node from the config
     assert "#SBATCH --requeue" in (LAUNCH / "opid.sbatch").read_text()  # a requeued job continues (--resume auto)

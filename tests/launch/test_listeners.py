@@ -121,3 +121,74 @@ def test_one_node_run_listens_on_loopback_only(tmp_path):
     outside = sorted((role, addr) for role, addr in seen if addr not in loopback)
     # only torchrun's own rendezvous store and what SGLang's scheduler opens itself (docs/multi-node.md, "Ports")
     assert not [x for x in outside if x[0] in ("trainer rank", "router")], outside
+
+
+def _process_listeners(pid: int, ss=("ss",)) -> set:
+    """Addresses process `pid` listens on (`ss -ltnpH`; `ss`: the command, e.g. run inside a network namespace)."""
+    out = subprocess.run([*ss, "-ltnpH"], capture_output=True, text=True).stdout
+    return {line.split()[3].rsplit(":", 1)[0].strip("[]") for line in out.splitlines()
+            if f"pid={pid}," in line and len(line.split()) > 3}
+
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def test_one_process_set_up_listens_on_loopback_only():
+    """A lone process's process groups (opid_mega.megatron.parallel.initialize without torchrun): an in-process
+    store, gloo on the loopback interface. Before, env:// served a TCPStore on every address ([::]:MASTER_PORT)."""
+    if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
+        pytest.skip("no ss (iproute2)")
+    import os
+    import sys
+
+    env = {k: v for k, v in BASE_ENV.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    code = ("import os, sys\nfrom opid_mega.megatron import parallel\nparallel.initialize()\n"
+            "print(os.getpid(), os.environ['GLOO_SOCKET_IFNAME'], flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env={**env, "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    try:
+        pid, ifname = p.stdout.readline().split()
+        seen = _process_listeners(int(pid))
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    print(f"GLOO_SOCKET_IFNAME={ifname}; listening on {sorted(seen)}")
+    assert seen and seen <= LOOPBACK, seen  # gloo's own pair listeners, on loopback
+
+
+@pytest.mark.slow
+def test_one_process_opid_train_run_listens_on_loopback_only(tmp_path):
+    """`opid-train` without torchrun (local engine, 3 iterations) on a host whose name resolves to its network
+    address (a one-node simulated cluster without the stock 127.0.1.1 line, where gloo's own default would bind that
+    address): every listener of the trainer, polled with `ss -ltnp` through the run, is on loopback."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import cluster_sim
+
+    reason = cluster_sim.unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated cluster unavailable: {reason}")
+    run = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith("train.iterations=")] + ["train.iterations=3"]
+    env = {k: v for k, v in BASE_ENV.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    seen: set = set()
+    with cluster_sim.Cluster(1, stock_hosts=False, interface_env=False) as c:
+        ss = ("ip", "netns", "exec", c.nodes[0].netns, "ss")
+        with open(tmp_path / "out", "wb") as out:
+            proc = c.popen(0, [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)]
+                           + args, env={**env, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT,
+                           cwd=str(ROOT))
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 500:
+                trainers = [pid for pid in c.pids(0) if "opid_mega.cli" in _cmdline(pid)]
+                for pid in trainers:
+                    seen |= _process_listeners(pid, ss)
+                time.sleep(0.5)
+        code = proc.wait(timeout=60)
+        resolved = c.run(0, [sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"])
+    log = (tmp_path / "out").read_text(errors="replace")
+    print(f"host name resolves to {resolved.stdout.strip()}; the trainer listened on {sorted(seen)}")
+    assert code == 0, log[-4000:]
+    assert resolved.stdout.strip() == c.nodes[0].addr  # gloo's default would have been this address
+    assert seen and seen <= LOOPBACK, seen

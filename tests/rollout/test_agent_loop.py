@@ -118,6 +118,28 @@ def test_an_env_that_raises_fails_only_its_trajectory(qwen_tokenizer, sqa):
     assert all(t.won and not t.failed for t in again.trajectories)
 
 
+def test_stop_ends_a_running_rollout_at_its_next_step(qwen_tokenizer, sqa):
+    """AgentLoop.stop() from another thread (the trainer shutting down while the next rollout plays beside the
+    update): the trajectories still running end at the next step, named as stopped; no step is generated after."""
+    env, tasks = sqa
+    calls = []
+
+    class StopsAfterStep0(ScriptedEngine):
+        def generate(self, prompt_ids, sampling):
+            calls.append(len(prompt_ids))
+            threading.Thread(target=loop.stop).start()  # as the trainer's close() does, from its own thread
+            time.sleep(0.2)
+            return super().generate(prompt_ids, sampling)
+
+    loop = AgentLoop(StopsAfterStep0(qwen_tokenizer, WalkthroughPolicy(env, tasks)), qwen_tokenizer,
+                     env_name="search_qa", history_length=4)
+    batch = loop.run(tasks[:2], group_size=1, sampling=_sampling(loop, max_new_tokens=128), deadline_s=600)
+    loop.close()
+    assert len(calls) == 1  # step 0 only: the walkthrough needs two steps
+    assert all(t.deadline_failure and len(t.steps) == 1 for t in batch.trajectories)
+    assert all("the rollout was stopped at step 1" in t.error for t in batch.trajectories)
+
+
 def test_each_step_samples_with_its_own_seed(qwen_tokenizer, sqa):
     from opid_mega.rollout import step_seed
 

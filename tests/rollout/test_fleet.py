@@ -232,9 +232,9 @@ class _RouterWorker:
         self.probes = 0
         probe = self.engine.health
 
-        def counted():
+        def counted(**kw):
             self.probes += 1
-            return probe()
+            return probe(**kw)
 
         self.engine.health = counted
 
@@ -281,6 +281,39 @@ def test_router_fleet_deadline_health_interval_and_a_frozen_worker(fake_sglang, 
         assert b.generates == b0 + 2 and took < 20
     finally:
         a.frozen_s = 0.0
+        fleet.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_ROUTER, reason="sglang-router not installed")
+def test_a_router_request_whose_workers_fail_ends_within_its_deadline(fake_sglang, tmp_path):
+    """A node cut off: two of three workers frozen (their /generate and /health hang 30 s). Requests routed there get
+    no reply within the request timeout (2 s); the probes of every worker that follow run at once, cut at the
+    rollout deadline, and the call ends (answered or RolloutDeadline) within the deadline + 2 s. Before, each failed
+    request probed the workers one after another (10 s each) and made two 10 s router calls per removal: ~25 s
+    here, past a 5 s deadline."""
+    from opid_mega.rollout.engine import RolloutDeadline
+
+    workers = [_RouterWorker(fake_sglang, k) for k in (1, 2, 3)]
+    fleet = RouterFleet([w.engine for w in workers], router_args=["--policy", "round_robin"], log_dir=str(tmp_path),
+                        owns=False, health_interval_s=3600.0, request_timeout_s=2.0)
+    try:
+        workers[0].frozen_s = workers[1].frozen_s = 30.0
+        t0 = time.monotonic()
+        try:
+            out = fleet.generate([[i] for i in range(6)], SamplingParams(max_new_tokens=2), deadline=t0 + 5.0)
+            ended = "answered"
+            assert [r.response_ids[1] for r in out] == list(range(6))
+        except RolloutDeadline:
+            ended = "RolloutDeadline"
+        took = time.monotonic() - t0
+        print(f"router, 2 of 3 workers frozen, deadline 5 s: {ended} after {took:.1f} s; probes "
+              f"{[w.probes for w in workers]}; {fleet.stats()}")
+        assert took <= 5.0 + 2.0
+        assert workers[2].probes >= 1  # a failure was followed by a probe burst
+    finally:
+        for w in workers:
+            w.frozen_s = 0.0
         fleet.shutdown()
 
 

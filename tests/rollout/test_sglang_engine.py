@@ -20,7 +20,7 @@ import torch
 
 from opid_mega.rollout import sglang_engine
 from opid_mega.rollout.engine import EngineError, SamplingParams
-from opid_mega.rollout.sglang_engine import (CPU_SHIMS_DIR, SGLangEngine, build_server_command, free_port,
+from opid_mega.rollout.sglang_engine import (CPU_SHIMS_DIR, SGLangEngine, build_server_command, reserve_port,
                                              serialize_named_tensors)
 from tolerance import assert_close_scaled
 
@@ -67,7 +67,9 @@ def test_shm_weight_payload_passes_sglang_safe_unpickler():
 
 
 def test_attaching_to_nothing_is_a_clear_error():
-    port = free_port()
+    held = reserve_port()
+    port = held.getsockname()[1]
+    held.close()
     with pytest.raises(EngineError, match=f"127.0.0.1:{port} was not ready after 1 s"):
         SGLangEngine(url=f"http://127.0.0.1:{port}", startup_timeout_s=1)
 

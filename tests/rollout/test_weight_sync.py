@@ -58,30 +58,118 @@ def _listeners(port: int) -> list:
     return out
 
 
-def test_update_store_listens_on_its_address_alone_and_only_until_the_group_formed():
+def test_update_store_listens_on_its_address_alone_and_goes_once_the_group_formed():
     """The weight-update group's store: bound to the address given (loopback here), never to every address; once
-    close_listener ran (after the group's first update) its members keep working and a new connection is refused."""
+    closed (after the group's first update) nothing listens on its port and a store call says it was closed."""
     import datetime
     import socket
 
     from torch.distributed import TCPStore
 
-    from opid_mega.megatron.weight_sync import close_listener, open_store
+    from opid_mega.megatron.weight_sync import open_store
 
     timeout = datetime.timedelta(seconds=5)
-    store, fd = open_store("127.0.0.1", 2, timeout)
+    store = open_store("127.0.0.1", 2, timeout)
     port = store.port
     assert _listeners(port) == ["127.0.0.1"]  # TCPStore("127.0.0.1", 0, ...) alone listens on [::]
     member = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
     member.set("k", "v1")
-    close_listener(fd)
+    assert store.get("k") == b"v1"
+    store.close()
     assert _listeners(port) == []
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    store.set("k", "v2")  # both established connections still work, both ways
-    assert member.get("k") == b"v2"
-    member.set("j", "w")
-    assert store.get("j") == b"w"
+    with pytest.raises(RuntimeError, match="closed once the group had formed"):
+        store.get("k")
+
+
+# The server side of update_weights_from_distributed as SGLang 0.5.23 runs it (srt/model_executor/model_runner.py
+# init_weights_update_group / update_weights_from_distributed): its ranks join the group with
+# sglang.srt.utils.common.init_custom_process_group over tcp://master_address:master_port (a PrefixStore named by the
+# group), and each update receives the bucket's tensors by broadcast from rank 0. Here one rank, in its own process:
+# a line of shapes on stdin per update, the sums of what it received on stdout.
+_GROUP_PEER = r"""
+import datetime, json, sys
+import torch, torch.distributed as dist
+from sglang.srt.utils.common import init_custom_process_group
+host, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+group = init_custom_process_group(backend="gloo", init_method=f"tcp://{host}:{port}", world_size=2, rank=1,
+                                  group_name=name, timeout=datetime.timedelta(seconds=60))
+for line in sys.stdin:
+    got = [torch.empty(shape) for shape in json.loads(line)]
+    for t in got:
+        dist.broadcast(t, src=0, group=group)
+    print(json.dumps([float(t.sum()) for t in got]), flush=True)
+"""
+
+
+class _UpdateGroupPeer:
+    """An engine whose weight-update group has one server rank in another process (see _GROUP_PEER)."""
+
+    url, tp_size = "http://127.0.0.1:9", 1
+
+    def init_weights_update_group(self, host, port, rank_offset, world_size, group_name, backend):
+        import subprocess
+        import sys
+
+        assert (rank_offset, world_size, backend) == (1, 2, "gloo")
+        self.names, self.port = getattr(self, "names", []) + [group_name], port
+        self.proc = subprocess.Popen([sys.executable, "-c", _GROUP_PEER, host, str(port), group_name],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def begin_update(self):
+        pass
+
+    def end_update(self, version):
+        pass
+
+    def update_weights_from_distributed(self, bucket, broadcast, group_name):
+        import json
+
+        self.proc.stdin.write(json.dumps([list(t.shape) for _, t in bucket]) + "\n")
+        self.proc.stdin.flush()
+        for work in broadcast([t for _, t in bucket]):
+            work.wait()
+        self.received = json.loads(self.proc.stdout.readline())
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def test_distributed_sync_leaves_no_store_polling_after_the_first_update():
+    """sync.method=distributed on gloo against a server rank in another process: after the first update the group's
+    store is gone (no listener on its port) and this process, waiting, uses no CPU to speak of (a store whose
+    listening socket was only shut spun at ~0.9 of a core); later updates go through the same group. The group's
+    name, which prefixes its keys in the store, is a fresh secret, not derived from the port."""
+    import resource
+    import time
+
+    pytest.importorskip("sglang.srt.utils.common")
+    from opid_mega.config import load_config
+    from opid_mega.megatron.weight_sync import WeightSync
+
+    def cpu_s():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    ws = object.__new__(WeightSync)  # the transfer alone: no policy, one engine
+    ws.cfg, ws.groups, peer = load_config(CONFIG, ["model.init_from="]), {}, _UpdateGroupPeer()
+    ws.engines = [peer]
+    try:
+        ws._via_distributed(iter([[("a", torch.ones(4)), ("b", torch.ones(2, 3))]]), "1")
+        assert peer.received == [4.0, 6.0]
+        (_, name), = ws.groups.values()
+        assert name == peer.names[0] and name.startswith("opid_weights_") and str(peer.port) not in name
+        assert len(name) == len("opid_weights_") + 32
+        assert _listeners(peer.port) == []
+        c0, t0 = cpu_s(), time.monotonic()
+        time.sleep(3.0)
+        rate = (cpu_s() - c0) / (time.monotonic() - t0)
+        print(f"this process's CPU after the first distributed update, waiting: {rate:.3f} of a core")
+        assert rate <= 0.05
+        ws._via_distributed(iter([[("a", torch.full((4,), 2.0))]]), "2")
+        assert peer.received == [8.0] and len(peer.names) == 1  # the same group
+    finally:
+        peer.proc.stdin.close()
+        peer.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -174,3 +174,69 @@ def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
     while group_members(proc.pid) and time.time() < deadline:
         time.sleep(0.5)
     assert not group_members(proc.pid), "processes of the run outlived it"
+
+
+@pytest.mark.slow
+def test_resume_with_a_smaller_max_staleness_corrects_the_restored_stale_records(tmp_path):
+    """A run at train.max_staleness=1 killed after its first checkpoint (which holds the next iteration's rollout,
+    drawn one version early) and resumed with train.max_staleness=0: the restored record is still stale and trains
+    with its behaviour weights (train/behavior_weight_mean in its metrics); before, max_staleness=0 skipped the
+    correction and the stale record trained uncorrected."""
+    run = tmp_path / "run"
+    one_thread = {**ENV, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + TINY + [
+        "train.iterations=3", "train.save_interval=1", "train.max_staleness=1"]
+    proc = subprocess.Popen(cmd, env=one_thread, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    latest = run / "checkpoints" / "latest_step"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None and not (latest.exists() and latest.read_text().strip()):
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished or died before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    step = int(latest.read_text().strip())
+    assert step in (1, 2)
+    r = subprocess.run([sys.executable, "-m", "opid_mega.cli", "--resume", str(run), "train.max_staleness=0"],
+                       env=one_thread, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = [m for m in _metrics(run) if m["step"] == step + 1][-1]
+    print(f"resumed at step {step + 1}: staleness {resumed['rollout/staleness']}, behaviour weights mean "
+          f"{resumed.get('train/behavior_weight_mean')}")
+    assert resumed["rollout/staleness"] == 1  # the record drawn before the checkpoint, one version early
+    assert 0 < resumed["train/behavior_weight_mean"] <= 2.0
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_next_rollout_plays_in_the_background_runs_every_closer_within_seconds(tmp_path):
+    """deploy.mode=disaggregated, train.max_staleness=1: iteration 2's rollout plays beside iteration 1's update
+    (delayed 300 s here: tests/trainer/_slow_rank0.py). SIGTERM then: the run ends by its own shutdown (every closer,
+    the one line naming the iteration and the checkpoint, exit 143) within seconds. Before, close() waited for the
+    background rollout and only the 20 s watchdog's forced exit ended the process, skipping the closers after it."""
+    run, mark = tmp_path / "run", tmp_path / "rollouts_started"
+    env = {**ENV, "OMP_NUM_THREADS": "1", "OPID_TEST_DELAY_S": "300", "OPID_TEST_DELAY_SKIP": "1",
+           "OPID_TEST_MARK": str(mark)}
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_slow_rank0.py"), "--config", CONFIG,
+           "--run-dir", str(run)] + TINY + ["train.iterations=3", "train.max_staleness=1", "deploy.mode=disaggregated"]
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None and \
+                not (mark.exists() and len(mark.read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(2.0)  # iteration 1 scores and trains, then waits for the background rollout
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the rank alone, as torchrun's agent and SLURM send it
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        took = time.monotonic() - t0
+    text = (tmp_path / "stderr").read_text()
+    print(f"ended {took:.1f} s after SIGTERM, exit {rc}")
+    assert rc == 143 and took < 15, text[-3000:]
+    assert "still running 20 s after the signal" not in text
+    assert re.search(r"opid-train: stopped by SIGTERM in iteration 1 of 3; ", text), text[-3000:]
+    assert not group_members(proc.pid)  # env workers and helpers gone with it

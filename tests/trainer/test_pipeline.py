@@ -115,6 +115,33 @@ def test_an_error_in_the_background_rollout_is_raised_where_it_lands():
     p.close()
 
 
+def test_close_asks_a_background_rollout_to_stop_and_never_waits_for_its_deadline():
+    """An error or a signal ends the run while the next rollout plays beside the update: close() asks it to stop
+    (the agent loop's stop) and gives it seconds; one that does not stop is left behind (a daemon thread, its result
+    dropped). Before, close() waited for it: up to rollout.deadline_s (7,200 s by default)."""
+    import time
+
+    stop = threading.Event()
+
+    def job(k, version):
+        def run():  # a rollout that ends when asked to
+            assert stop.wait(60)
+            return None
+        return run
+
+    p = RolloutPipeline(1, 3, overlap=True)
+    p.start(1, job)
+    t0 = time.monotonic()
+    p.close(cancel=stop.set)
+    assert time.monotonic() - t0 < 2.0 and p.drawing is None
+    stubborn = RolloutPipeline(1, 3, overlap=True)
+    stubborn.start(1, lambda k, version: (lambda: time.sleep(60)))
+    t0 = time.monotonic()
+    stubborn.close(cancel=lambda: None, grace_s=0.5)
+    assert time.monotonic() - t0 < 2.0
+    assert [t.daemon for t in threading.enumerate() if t.name == "rollout"] == [True]  # nothing waits for it at exit
+
+
 def test_a_restored_pipeline_trains_on_the_saved_rollouts_and_resubmits_their_analyses():
     straight = _run(2, 6)
     resumed = _run(2, 6, resume_at=3)
@@ -178,3 +205,57 @@ def test_off_policy_weights_only_the_stale_samples():
     exp.engine_logprobs = exp.engine_logprobs[:3]
     with pytest.raises(ValueError, match="needs the rollout engine's log-probs"):
         off_policy(exp, "decoupled", cap=2.0)
+
+
+def test_stale_samples_train_with_their_behaviour_weights(tiny_cfg):
+    """Where the correction is applied (Trainer.train_data -> Policy.train), analytically, on the tiny model: two
+    copies of one step-sample drawn 2 versions ago, advantages +1 and -1, rescored under the current weights (PPO
+    ratio 1, so the gradient is linear in the weighted advantages). Uncorrected their gradients cancel; with behaviour
+    weights w0 = 2 (capped: the engine found the tokens e^5 times less likely) and w1 = 1/e the gradient is
+    (w0 - w1) = 1.63 times that of the first copy alone (advantages +1 and 0, on-policy). An update without the
+    weights gives ~0, weights inverted give 1.99 (π_b / π_prox, capped) or 2.22 (advantages divided by w)."""
+    from types import SimpleNamespace
+
+    from opid_mega import experience
+    from opid_mega.megatron import parallel
+    from opid_mega.megatron.policy import Policy
+    from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
+    from opid_mega.trainer import Trainer, resolve_init
+
+    cfg = tiny_cfg("train.max_staleness=2", "train.off_policy_correction=decoupled", "train.behavior_weight_cap=2.0",
+                   "algo.kl_coef=0", "algo.entropy_coef=0", "train.grad_clip=0", "train.save_interval=0",
+                   "train.mini_batch_size=2", "train.ppo_epochs=1")
+    policy = Policy(cfg, resolve_init(cfg))
+    try:
+        policy.set_lr(0.0)  # the weights stay: every update below sees the same model
+        prompt, resp = [11, 22, 33, 44, 55, 66], [101, 202, 303, 404]
+        prox = np.asarray(policy.logprobs([(prompt + resp, len(prompt))])[0], np.float64)
+
+        def record(version, engine_shift, advantages):
+            steps = [StepSample(task_id="t", group_id=0, traj_id=j, step=0, prompt_text="p", prompt_ids=prompt,
+                                episode_insert_at=1, step_insert_at=5, response_ids=resp,
+                                response_logprobs=(prox + shift).tolist(), response_text="r", finish_reason="stop",
+                                action="go", valid=True, raw_obs="o", reward=0.0, done=True)
+                     for j, shift in enumerate(engine_shift)]
+            batch = RolloutBatch(trajectories=[Trajectory(task_id="t", group_id=0, traj_id=j, steps=[s])
+                                               for j, s in enumerate(steps)])
+            exp = Experience.from_rollout(batch, iteration=3, policy_version=version)
+            exp.old_logprobs = np.concatenate([prox, prox]).astype(np.float32)
+            exp.token_advantages = np.repeat(np.asarray(advantages, np.float32), len(resp))
+            experience.off_policy(exp, cfg.train.off_policy_correction, cfg.train.behavior_weight_cap)
+            return exp
+
+        def grad_norm(exp):
+            data = Trainer.train_data(SimpleNamespace(cfg=cfg), exp)
+            return policy.train(data, seed=0)["grad_norm"]
+
+        stale = record(1, [-5.0, 1.0], [1.0, -1.0])  # engine log-probs 5 below / 1 above π_prox
+        w0, w1 = 2.0, np.exp(-1.0)
+        np.testing.assert_allclose(stale.behavior_weights, [w0] * 4 + [w1] * 4, rtol=1e-6)
+        one = grad_norm(record(2, [0.0, 0.0], [1.0, 0.0]))  # on-policy: no weights
+        corrected = grad_norm(stale)
+        print(f"grad norm: one copy {one:.6g}; stale pair, corrected {corrected:.6g} ({corrected / one:.4f} x, want "
+              f"{w0 - w1:.4f} x)")
+        assert one > 0 and corrected == pytest.approx((w0 - w1) * one, rel=1e-3)
+    finally:
+        parallel.destroy_all()

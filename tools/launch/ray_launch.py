@@ -32,8 +32,8 @@ launches them; today global rank 0 does, see ``deploy`` in ``opid_mega/config.py
 * CPU: rank 0 launches its own engine as today (the embedded local engine, or an SGLang server process) on the CPUs
   of its node, outside the bundles' accounting.
 
-Each actor sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR`` (the
-node IP of rank 0's actor) and ``MASTER_PORT`` (a free port that rank 0's actor found on its node), sets its
+Each actor sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``GROUP_WORLD_SIZE``
+(the node count, as torchrun does), ``MASTER_ADDR`` (the node IP of rank 0's actor) and ``MASTER_PORT`` (a free port that rank 0's actor found on its node), sets its
 torch/OpenMP threads to its bundle's CPUs, then runs ``opid_mega.cli.train_main`` in its own process — the same
 function as the ``opid-train`` command (argument parsing, layout check, ``opid_mega.trainer.train``, the same exit
 codes). The launcher waits for all ranks; when one fails (an exception or a non-zero exit code) it names the rank,
@@ -210,7 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runs = {}
         for rank, a in enumerate(actors):
             env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank % k, "LOCAL_WORLD_SIZE": k,
-                   "NODE_RANK": rank // k, "GROUP_RANK": rank // k, "MASTER_ADDR": master_addr,
+                   "NODE_RANK": rank // k, "GROUP_RANK": rank // k, "GROUP_WORLD_SIZE": args.nodes,
+                   "MASTER_ADDR": master_addr,
                    "MASTER_PORT": master_port}
             print(f"ray_launch.py: rank {rank}: node {rank // k} local rank {rank % k}/{k} on {ips[rank]}",
                   file=sys.stderr, flush=True)

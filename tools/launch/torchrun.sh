@@ -92,8 +92,10 @@ fi
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-opid-${USER:-$(id -un)}}}"
 
 # the interface gloo and NCCL use, unless set: the one holding NODE_ADDR, else the one that routes to the rendezvous
-# host (loopback in a one-node run); a rendezvous host that resolves to loopback on a multi-node run is one line
-# naming the fix, exit 2 (opid_mega.infra.hosts.socket_ifname). Without it gloo takes the address the host name
+# host (loopback in a one-node run); a rendezvous host NAME that resolves to loopback on a multi-node run (this is
+# node 0 under a stock hosts file) gives this node's one cluster interface, and with several it is one line naming
+# the fix, exit 2 (opid_mega.infra.hosts.socket_ifname; opid-train's ranks apply the same rule at process-group
+# set-up, for the launches that do not come through here). Without it gloo takes the address the host name
 # resolves to: 127.0.1.1 under a stock Debian/Ubuntu /etc/hosts, which the other nodes cannot reach.
 # (A dry run only reports a problem: it may name hosts that do not resolve here.)
 if [[ -z "${GLOO_SOCKET_IFNAME:-}" || -z "${NCCL_SOCKET_IFNAME:-}" ]]; then
