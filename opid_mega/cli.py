@@ -230,7 +230,7 @@ def _train_planned(plan, rank0: bool) -> int:
                 print(f"opid-train: {warning}", file=sys.stderr, flush=True)
         from opid_mega.megatron.checkpoint import CheckpointError
         from opid_mega.skills.llm_analyzer import AnalyzerUnavailable
-        from opid_mega.analysis import AnalyzerFailed
+        from opid_mega.pipeline import AnalyzerFailed
         from opid_mega.megatron.parallel import NODE_LOST_EXIT, NodeLost
         from opid_mega.rollout.launch import RolloutEngineDied
         from opid_mega.trainer import TrainingInterrupted, train
@@ -334,7 +334,8 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> int:
 def _evaluate(cfg, hf_dir: str, group_size: int) -> int:
     from opid_mega.models import load_tokenizer
     from opid_mega.experience import mean, outcome_info_means
-    from opid_mega.rollout.launch import build_agent_loop, build_engine, env_factory, play
+    from opid_mega.pipeline import play
+    from opid_mega.rollout.launch import build_agent_loop, build_engine, env_factory
 
     engine = build_engine(cfg, hf_dir)
     env = env_factory(cfg)()

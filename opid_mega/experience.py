@@ -46,6 +46,7 @@ from opid_mega import algo
 from opid_mega.batching.layout import ContextBatch, csr_offsets, csr_ranges, skill_contexts
 from opid_mega.scoring.scorer import Scores
 from opid_mega.skills.injection import anchor, inject_skills, render_skill_section
+from opid_mega.skills.sanitize import cut_to_tokens
 
 KINDS = (algo.EPISODE, algo.STEP)
 
@@ -175,6 +176,25 @@ def skill_section_cap(encode, kind: str, max_skill_tokens: int) -> int:
     one-character skill) plus analyzer.max_skill_tokens for the skill plus 4 for tokenizer merges at the frame's
     edges. `Trainer.fit_section` enforces it, and the fork scorer's budget is derived from it."""
     return len(encode(render_skill_section("x", kind))) + int(max_skill_tokens) + 4
+
+
+class SectionFitter:
+    """`fit(skill, kind) -> (skill, token ids of its section)`, the section at most `caps[kind]` tokens
+    (skill_section_cap; `encode`: text -> token ids, tokenized like the rollout prompts' pieces). A skill already cut
+    to analyzer.max_skill_tokens fits; should tokenizer merges at the frame's edges make it longer, the skill is cut
+    further (word boundary), so the fork scorer's budget always holds."""
+
+    def __init__(self, encode: Callable[[str], list], max_skill_tokens: int):
+        self.encode = encode
+        self.caps = {k: skill_section_cap(encode, k, max_skill_tokens) for k in KINDS}
+
+    def __call__(self, skill: str, kind: str) -> tuple[str, list]:
+        ids = self.encode(render_skill_section(skill, kind))
+        cap = self.caps[kind]
+        if len(ids) > cap:
+            skill, _ = cut_to_tokens(skill, cap, lambda t: len(self.encode(render_skill_section(t, kind))))
+            ids = self.encode(render_skill_section(skill, kind))
+        return skill, ids
 
 
 def add_skills(exp: Experience, analyses: list, algo_cfg, fit_section: Callable, audit=None,

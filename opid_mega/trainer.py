@@ -3,9 +3,10 @@
     set up: config -> run dir (config.yaml) -> Megatron parallel state -> policy (HF dir -> Megatron, optimizer,
             frozen reference copy) -> rollout engine -> env -> analyzer -> scorer -> metrics / audit
     per iteration, stages over one record (opid_mega.experience.Experience, built once from the rollout):
-        rollout (opid_mega.rollout.AgentLoop: B tasks x G trajectories, one step-sample per env step) -> the record
-        analysis in the background (opid_mega.analysis: submit, then collect by analyzer.deadline_s) while the
-            reference log-probs are computed
+        rollout (opid_mega.pipeline.RolloutStage: B tasks x G trajectories by the AgentLoop, one step-sample per env
+            step -> the record; train.max_staleness records in flight) and its analysis in the background
+            (opid_mega.pipeline.AnalysisStage: submitted with the rollout, collected by analyzer.deadline_s) while
+            the reference log-probs are computed
         experience: routing (algo.route_skills per trajectory, by algo.mode), skill sections fitted and audited
         score with the OLD weights through the Scorer (original context = PPO's old log-probs; skill contexts -> Δ)
         advantages (the C++ batch builder: outcome_advantage by task group, token_advantages A_out + Σ λ_k Δ_k)
@@ -15,7 +16,8 @@
         sync: weights Megatron -> rollout engine
         metrics (a function of the record); evaluation without skills every eval.interval iterations and after the
         last; checkpoint every train.save_interval
-Launching servers, the engine and the analyzer: opid_mega.rollout.launch.
+Launching servers, the engine and the analyzer: opid_mega.rollout.launch. The files one iteration passes through:
+docs/architecture.md "One iteration, file by file".
 
 `grpo` and `opid` share everything (tasks, sampling seeds, mini-batch order) except the λΔ term.
 Multi-rank (torchrun, any TP x PP x DP): every rank holds its Megatron shard; rollout, analysis, evaluation, metrics
@@ -31,33 +33,26 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 
-from opid_mega import algo, experience, rundir
+from opid_mega import experience, rundir
 from opid_mega.algo.routing import shuffle_analyses
 from opid_mega.algo.schedule import learning_rate
-from opid_mega.analysis import AnalysisStage
 from opid_mega.batching.layout import fork_sample_bound
 from opid_mega.config import Config, redacted
-from opid_mega.experience import Experience, mean, outcome_info_means, skill_section_cap
+from opid_mega.experience import Experience, SectionFitter, mean
 from opid_mega.infra import files, shutdown
 from opid_mega.infra.hosts import run_api_key
 from opid_mega.metrics import MetricsLogger, Timer, wandb_settings
 from opid_mega.models import load_tokenizer, resolve_model_path
-from opid_mega.pipeline import RolloutPipeline
+from opid_mega.pipeline import AnalysisStage, RolloutStage, broadcast
 from opid_mega.plugins import advantage_function
-from opid_mega.rollout.launch import (RolloutEngineDied, audit_rollout_skills, build_agent_loop, build_analyzer,
-                                      build_engine, env_factory, launch_node_servers, play)
-from opid_mega.scoring.fork_scorer import ForkScorer
-from opid_mega.scoring.scorer import NaiveScorer
+from opid_mega.rollout.launch import (RolloutEngineDied, build_agent_loop, build_analyzer, build_engine, env_factory,
+                                      launch_node_servers)
+from opid_mega.scoring.scorer import ForkScorer, NaiveScorer
 from opid_mega.skills.audit import AuditLog
-from opid_mega.skills.injection import render_skill_section
-from opid_mega.skills.sanitize import cut_to_tokens
-
-KINDS = (algo.EPISODE, algo.STEP)
 
 
 class TrainingInterrupted(Exception):
@@ -88,12 +83,6 @@ def divergence_topk(a) -> Optional[int]:
     return {"sampled": None, "full_kl": 0, "topk_kl": a.delta_topk}[a.delta]
 
 
-def skill_key(task) -> str:
-    """The skill bank's key of a task: the same string as `Trajectory.task_id` of its rollouts (the AgentLoop sets
-    task_id = str(task.id)), so a task's rollouts find the skill of that task's own latest analysis."""
-    return str(getattr(task, "id", task))
-
-
 def should_evaluate(cfg: Config, it: int) -> bool:
     """Whether the no-skill evaluation runs after iteration `it` (0: before the first iteration): every
     eval.interval iterations and after the last one (the reference validates at its last step too), before training
@@ -103,14 +92,6 @@ def should_evaluate(cfg: Config, it: int) -> bool:
     if it == 0:
         return cfg.eval.before_training
     return it % cfg.eval.interval == 0 or it == cfg.train.iterations
-
-
-def broadcast(produce):
-    """`produce()` on global rank 0, its result (or error) on every rank over the control group (imported when
-    called: importing the trainer does not import megatron-core)."""
-    from opid_mega.megatron.parallel import broadcast as control_broadcast
-
-    return control_broadcast(produce)
 
 
 def wait_for_rank0() -> None:
@@ -181,10 +162,7 @@ class Trainer:
                 for name in ("audit.jsonl", rundir.OVERRIDES_FILE):  # a predecessor that never saved a checkpoint
                     rundir.move_file_aside(self.run_dir / name)
         self.tokenizer = load_tokenizer(hf_dir)
-        env = env_factory(cfg)()
-        self.eval_tasks = env.tasks(cfg.env.eval_split, cfg.eval.num_tasks, seed=cfg.train.seed) \
-            if cfg.eval.num_tasks else []
-        self.env0 = env
+        self.env0 = env_factory(cfg)()
         # resumed: the records of iterations after the checkpoint are dropped (they are re-run), a torn line cut
         self.audit = AuditLog(self.run_dir / "audit.jsonl" if self.rank0 else None,
                               resume_iteration=self.start if resume else None)
@@ -192,28 +170,22 @@ class Trainer:
         self.analysis = AnalysisStage(analyzer, self.audit, cfg.analyzer, lambda t: len(self.encode_text(t)),
                                       self.run_dir)
         # Analyzer output is untrusted: every skill is cut to analyzer.max_skill_tokens tokens (AnalysisStage.cut), so a
-        # skill section never exceeds section_caps[kind] tokens (fit_section), and one step-sample's fork group (the
-        # original context and one per section, each at most prompt + section + response) always fits the scoring
-        # budget: no analyzer output can make the fork scorer refuse a sample.
-        self.section_caps = {k: skill_section_cap(self.encode_text, k, cfg.analyzer.max_skill_tokens) for k in KINDS}
+        # skill section never exceeds fit_section.caps[kind] tokens, and one step-sample's fork group (the original
+        # context and one per section, each at most prompt + section + response) always fits the scoring budget: no
+        # analyzer output can make the fork scorer refuse a sample.
+        self.fit_section = SectionFitter(self.encode_text, cfg.analyzer.max_skill_tokens)
         fork_budget = max(cfg.train.micro_batch_tokens,
                           fork_sample_bound(cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens,
-                                            list(self.section_caps.values())))
+                                            list(self.fit_section.caps.values())))
         # every context is scored at the sampling temperature (old log-probs and Δ as the sampler saw them)
         # algo.delta = full_kl / topk_kl: the fork scorer also returns each skill context's divergences (one pass)
         self.scorer = ForkScorer(self.policy.packed_logprobs, fork_budget, temperature=cfg.rollout.temperature,
                                  divergence_topk=divergence_topk(cfg.algo)) \
             if cfg.scoring.scorer == "fork" else NaiveScorer(self.policy.logprobs, temperature=cfg.rollout.temperature)
         self.advantage_fn = advantage_function(cfg.algo.advantage_fn)  # the advantages stage (every rank)
-        self.skill_bank: dict = {}  # task id -> latest episode skill (skill_grpo rollouts, eval with skills)
         self.current = 0  # the iteration in progress (0: none yet)
-        # rollouts in flight; disaggregated engines play the next ones beside the update (opid_mega.pipeline)
-        self.pipeline = RolloutPipeline(cfg.train.max_staleness, cfg.train.iterations,
-                                        overlap=cfg.deploy.mode == "disaggregated")
         if resume:  # the checkpoint's trainer state (loaded above)
-            self.skill_bank = resumed.get("skill_bank", {})
             self.analysis.failures = resumed.get("analysis_failures", 0)
-            self.pipeline.restore(resumed.get("in_flight"), self.submit_analysis)
         # colocated on GPU: a resumed optimizer's Adam moments go to the host before the rollout servers start
         # (SGLang sizes its KV cache from the memory free then, as opid-plan assumes; during rollout they are on the
         # host anyway, see Colocation)
@@ -234,7 +206,12 @@ class Trainer:
         self.weight_sync = WeightSync(self.policy, self.engine, cfg, str(self.run_dir), self.tokenizer,
                                       servers=self.server_map, own=self.servers, api_key=self.api_key)
         self.colocation = Colocation(cfg, self.policy, self.engine)  # no-op unless colocated on GPU
+        # the rollout stage: records drawn and analysed, train.max_staleness of them in flight (disaggregated engines
+        # play the next ones beside the update), the evaluation
+        self.rollouts = RolloutStage(cfg, self.loop, self.env0, self.analysis, self.audit, self.colocation, self.rank0)
         if resume:
+            self.rollouts.skill_bank.update(resumed.get("skill_bank", {}))
+            self.rollouts.restore(resumed.get("in_flight"))
             self.sync_weights(self.start)
         # the resolved config (secrets emptied) goes to TensorBoard (text + hparams) and W&B (wandb.init(config=))
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
@@ -254,8 +231,8 @@ class Trainer:
     def fit(self) -> None:
         cfg = self.cfg
         try:
-            if self.start == 0 and should_evaluate(cfg, 0) and self.eval_tasks and self.rank0:
-                self.log.log(0, self.evaluate(0))
+            if self.start == 0 and should_evaluate(cfg, 0) and self.rollouts.eval_tasks and self.rank0:
+                self.log.log(0, self.rollouts.evaluate(0))
             wait_for_rank0()
             for it in range(self.start + 1, cfg.train.iterations + 1):
                 self.current = it
@@ -268,15 +245,15 @@ class Trainer:
                     where = f"{self.ckpt_dir}/step_{last}" if last is not None else "none yet"
                     raise RolloutEngineDied(f"iteration {it}: {exc}. Last checkpoint: {where} "
                                             f"(resume with: opid-train --resume {self.run_dir})") from exc
-                if should_evaluate(cfg, it) and self.eval_tasks and self.rank0:
-                    metrics.update(self.evaluate(it))
+                if should_evaluate(cfg, it) and self.rollouts.eval_tasks and self.rank0:
+                    metrics.update(self.rollouts.evaluate(it))
                 if self.rank0:
                     self.log.log(it, metrics)
                 wait_for_rank0()  # before the checkpoint's collectives: rank 0 may have been evaluating
                 if cfg.train.save_interval and (it % cfg.train.save_interval == 0 or it == cfg.train.iterations):
-                    self.policy.save(self.ckpt_dir, it, {"skill_bank": self.skill_bank,
+                    self.policy.save(self.ckpt_dir, it, {"skill_bank": self.rollouts.skill_bank,
                                                          "analysis_failures": self.analysis.failures,
-                                                         "in_flight": self.pipeline.state()},
+                                                         "in_flight": self.rollouts.state()},
                                      meta={"config": json.dumps(self.config_digest)})
         finally:
             self.close()
@@ -285,12 +262,9 @@ class Trainer:
         """One iteration as its stages over one record (opid_mega.experience; docs/architecture.md)."""
         cfg, timer, t0 = self.cfg, Timer(), time.perf_counter()
         with timer("rollout"):  # this iteration's rollout and, with train.max_staleness N, those of the next N
-            self.pipeline.fill(it, self.rollout, self.submit_analysis)
+            took = self.rollouts.take(it)  # disaggregated: the next rollouts then play while this one trains
         # the analysis runs in the background (since the rollout) while the next rollouts and the reference log-probs
-        took = self.pipeline.take(it)
         exp, views, pending = took.exp, took.views, took.pending
-        if self.pipeline.overlap:  # disaggregated: the next rollouts play while this one is scored and trained
-            self.pipeline.start(it, self.background_rollout)
         with timer("reference"):
             if self.policy.reference:  # the original contexts, packed and scored like the old log-probs
                 with self.policy.reference_weights():
@@ -311,9 +285,9 @@ class Trainer:
             lr = learning_rate(cfg.train, it)
             self.policy.set_lr(lr)
             ppo = self.policy.train(self.train_data(exp), seed=cfg.train.seed * 31 + it)
-        if self.pipeline.overlap:
+        if self.rollouts.queue.overlap:
             with timer("rollout_wait"):  # never a weight sync while an engine generates
-                self.pipeline.join(self.land)
+                self.rollouts.land()
         with timer("weight_sync"):
             self.colocation.before_sync()
             sync = self.sync_weights(it)
@@ -322,70 +296,6 @@ class Trainer:
                 **(self.engine.stats() if hasattr(self.engine, "stats") else {}), **timer.pop()}
 
     # ---- stages -------------------------------------------------------------------------------------------------
-    def rollout(self, it: int, version: int) -> Experience:
-        """B tasks x G trajectories (task draws and sampling seeds depend only on seed and iteration), on rank 0,
-        broadcast; the record of their step-samples, drawn with the weights the engines hold (`version`)."""
-        self.colocation.before_rollout()
-        batch = broadcast(self.rollout_job(it))
-        self.colocation.after_rollout()
-        return self.record(it, version, batch)
-
-    def rollout_job(self, it: int) -> Callable:
-        """Rank 0's part of iteration it's rollout: its tasks drawn and (skill_grpo) the skill bank read now, the
-        episodes played when the job is called."""
-        cfg = self.cfg
-        tasks = self.env0.tasks(cfg.env.train_split, cfg.rollout.tasks_per_iter, seed=cfg.train.seed * 7919 + it)
-        G = cfg.rollout.group_size
-        # skill_grpo: every rollout of task t carries the episode skill of t's OWN latest analysis (none yet: none)
-        skills = [self.skill_bank.get(skill_key(t)) for t in tasks for _ in range(G)] \
-            if cfg.algo.mode == "skill_grpo" else None
-        return lambda: play(self.loop, cfg, tasks, G, cfg.rollout.temperature, seed=cfg.train.seed * 100_003 + it,
-                            skills=skills)
-
-    def record(self, it: int, version: int, batch, exp: Optional[Experience] = None) -> Experience:
-        """Iteration it's rollout batch as a record (`exp`: already made from it), audited and checked."""
-        cfg = self.cfg
-        audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
-        exp = exp or Experience.from_rollout(batch, it, policy_version=version)
-        if not exp.trajectories and exp.deadline_trajectories:
-            raise RolloutEngineDied(f"the rollout passed rollout.deadline_s={cfg.rollout.deadline_s:g} s with none of "
-                                    f"its {exp.rollout_trajectories} trajectories finished "
-                                    f"({exp.deadline_trajectories} cut by the deadline)")
-        if not exp.num_samples:
-            raise RuntimeError(f"iteration {it}: the rollout produced no step-samples (every env raised: see "
-                               "rollout/env_errors and the trajectories' errors)")
-        if cfg.train.pad_multiple:  # the reference's padding, before any stage (copies enter A_out and the loss)
-            experience.pad_to_multiple(exp, cfg.train.pad_multiple, np.random.default_rng((cfg.train.seed, it)))
-        return exp
-
-    def background_rollout(self, it: int, version: int) -> Callable:
-        """(disaggregated, overlapping pipeline) What plays iteration it's rollout beside the update: on rank 0 the
-        episodes, their record and its analysis submitted; nothing on the other ranks (they get the batch in
-        :meth:`land`)."""
-        if not self.rank0:
-            return lambda: None
-        job = self.rollout_job(it)
-
-        def run():
-            batch = job()
-            exp = Experience.from_rollout(batch, it, policy_version=version)
-            return batch, exp, self.submit_analysis(exp)
-        return run
-
-    def land(self, it: int, version: int, produce: Callable) -> tuple:
-        """(record, views, pending) of a rollout played in the background (`produce()`: rank 0's result)."""
-        batch = broadcast(lambda: produce()[0])
-        if self.rank0:
-            _, exp, (views, pending) = produce()
-            return self.record(it, version, batch, exp), views, pending
-        exp = self.record(it, version, batch)
-        return (exp, *self.submit_analysis(exp))
-
-    def submit_analysis(self, exp: Experience) -> tuple:
-        """(views, pending): the analysis of a fresh rollout's trajectories, started in the background."""
-        views = [t.to_view(f"{exp.iteration}/{t.task_id}/{ti}") for ti, t in enumerate(exp.trajectories)]
-        return views, self.analysis.submit(views, exp.iteration)
-
     def add_skills(self, exp: Experience, analyses: list) -> None:
         """The experience stage: the analyses routed to the step-samples, their sections fitted and audited
         (algo.skill_source=shuffled: the negative control's analyses of other tasks); the skill bank keeps each
@@ -397,14 +307,14 @@ class Trainer:
         if cfg.algo.mode == "skill_grpo" or cfg.eval.with_skills:
             for t, an in zip(exp.trajectories, analyses):
                 if an is not None:
-                    self.skill_bank[t.task_id] = an.episode_skill  # t.task_id == skill_key(its task)
+                    self.rollouts.skill_bank[t.task_id] = an.episode_skill  # t.task_id == pipeline.skill_key(its task)
         experience.add_skills(exp, analyses, cfg.algo, self.fit_section, self.audit,
                               max_prompt_tokens=cfg.rollout.max_prompt_tokens)
 
     def train_data(self, exp: Experience):
         """The policy's view of the record: sequences, response lengths, old log-probs, advantages, reference
         log-probs and (algo.distill_coef > 0) the skill contexts as the distillation's teacher."""
-        from opid_mega.megatron.train_batches import TrainData
+        from opid_mega.megatron.policy import TrainData
 
         skills = exp.skill_columns() if self.cfg.algo.distill_coef > 0 else {}
         adv = exp.token_advantages if exp.behavior_weights is None else exp.token_advantages * exp.behavior_weights
@@ -438,49 +348,6 @@ class Trainer:
                 raise
             raise RolloutEngineDied(f"weight update failed: {type(exc).__name__}: {exc}") from exc
 
-    # ---- evaluation ---------------------------------------------------------------------------------------------
-    def evaluate(self, it: int) -> dict:
-        """Held-out tasks, one episode each, WITHOUT skills (docs/algorithm.md §9). With eval.with_skills (always for
-        skill_grpo) each eval task is then played once more WITH an episode skill of its own: eval tasks are never
-        analysed during training, so the analyzer analyses the task's no-skill eval trajectory just played and
-        that analysis' episode skill is put into the second episode's prompts (a task whose analysis failed, or
-        with no analyzer, is replayed without a skill). No task ever gets another task's skill."""
-        cfg, seed = self.cfg, self.cfg.train.seed * 100_003 + 77_777 + it
-        trajs = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed).trajectories
-        out = {"eval/success_rate": mean(t.won for t in trajs), "eval/episode_length": mean(t.length for t in trajs),
-               **outcome_info_means(trajs, "eval")}
-        if (cfg.eval.with_skills or cfg.algo.mode == "skill_grpo") and self.analyzer is not None:
-            skills = self.eval_skills(trajs, it)
-            batch = play(self.loop, cfg, self.eval_tasks, 1, cfg.eval.temperature, seed, skills=skills)
-            audit_rollout_skills(self.audit, batch, it, cfg.algo.placement)
-            out["eval/success_rate_with_skills"] = mean(t.won for t in batch.trajectories)
-        return out
-
-    def eval_skills(self, trajs: list, it: int) -> list:
-        """One optional episode skill per eval trajectory: the analyzer's analysis of that very trajectory (eval
-        analyses are audited, not counted in analysis/failures_total)."""
-        keep = [i for i, t in enumerate(trajs) if t.steps and not t.env_error]
-        views = [trajs[i].to_view(f"eval{it}/{trajs[i].task_id}/{i}") for i in keep]
-        analyses = self.analysis.collect(self.analysis.submit(views, it), views, it, count_failures=False) \
-            if views else []
-        skills: list = [None] * len(trajs)
-        for i, an in zip(keep, analyses):
-            if an is not None and an.episode_skill.strip():
-                skills[i] = an.episode_skill
-        return skills
-
-    def fit_section(self, skill: str, kind: str) -> tuple[str, list]:
-        """(skill, token ids of its section) with the section at most section_caps[kind] tokens. A skill already cut
-        to analyzer.max_skill_tokens fits; should tokenizer merges at the frame's edges make it longer, the skill is
-        cut further (word boundary), so the fork scorer's budget always holds."""
-        ids = self.encode_text(render_skill_section(skill, kind))
-        cap = self.section_caps[kind]
-        if len(ids) > cap:
-
-            skill, _ = cut_to_tokens(skill, cap, lambda t: len(self.encode_text(render_skill_section(t, kind))))
-            ids = self.encode_text(render_skill_section(skill, kind))
-        return skill, ids
-
     def encode_text(self, text: str) -> list:
         """Token ids of a prompt piece (a skill section), tokenized like the rollout prompts' pieces."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -489,8 +356,7 @@ class Trainer:
         # colocated: an attached server gets back the memory this run released (Ctrl-C mid-iteration included)
         # a rollout still playing in the background is asked to stop first (it uses the engines and the env workers)
         # and given seconds, never its deadline: every closer below runs, whatever it does
-        pipeline = getattr(self, "pipeline", None)
-        for closer in (pipeline and (lambda: pipeline.close(cancel=getattr(getattr(self, "loop", None), "stop", None))),
+        for closer in (getattr(getattr(self, "rollouts", None), "close", None),
                        getattr(getattr(self, "colocation", None), "close", None),
                        getattr(self.analyzer, "close", None), getattr(self.analyzer_server, "shutdown", None),
                        getattr(self.log, "close", None), self.audit.close, getattr(self.loop, "close", None),

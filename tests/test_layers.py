@@ -22,7 +22,7 @@ LAYERS = [
     ["opid_mega.config"],
     ["opid_mega.rollout"],
     ["opid_mega.megatron"],
-    ["opid_mega.analysis", "opid_mega.experience", "opid_mega.metrics", "opid_mega.rundir", "opid_mega.sft",
+    ["opid_mega.experience", "opid_mega.metrics", "opid_mega.rundir", "opid_mega.sft",
      "opid_mega.plan", "opid_mega.checks"],
     ["opid_mega.pipeline"],
     ["opid_mega.export", "opid_mega.report", "opid_mega.trainer"],

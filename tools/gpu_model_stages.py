@@ -123,7 +123,7 @@ def stage_ppo(size: str, model_dir: Path) -> dict:
 
     from opid_mega.config import load_config
     from opid_mega.megatron.policy import Policy
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
 
     shape, dtype, S, P, R, mbt, _, _ = SIZES[size]
     if not (model_dir / "model.safetensors").is_file():

@@ -204,7 +204,7 @@ def scorers(chunks, max_tokens: int) -> tuple:
     """(NaiveScorer, ForkScorer) over the model chunks: the naive one packs every context as its own sequence, the
     fork one runs the fork layout's micro-batches (no prompt sharing across step-samples)."""
     from opid_mega.megatron.logprobs import PackedBatch, Sample, compute_logprobs
-    from opid_mega.scoring.fork_scorer import ForkScorer
+    from opid_mega.scoring.scorer import ForkScorer
     from opid_mega.scoring.scorer import NaiveScorer
 
     def naive_fn(seqs, temperature=1.0):

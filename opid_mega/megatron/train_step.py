@@ -230,7 +230,7 @@ def _broadcast_from_last_stage(obj):
 
 def train_mini_batch(ddp_chunks, optimizer, batches: list[PackedBatch], cfg: LossConfig = LossConfig()) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches of a mini-batch (`PackedBatch`es carrying old_logprobs /
-    advantages / ref_logprobs / loss_mask: the trainer's come from `opid_mega.megatron.train_batches.TrainData`,
+    advantages / ref_logprobs / loss_mask: the trainer's come from `opid_mega.megatron.policy.TrainData`,
     a list of `Sample`s gives them through `opid_mega.megatron.logprobs.plain_batches`)."""
     for c in ddp_chunks:
         c.train()

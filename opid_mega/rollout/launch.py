@@ -1,7 +1,7 @@
 """Launching what a run serves from: this node's rollout servers, the rollout engine rank 0 drives (one server, a
 fleet behind our client balancer, or SGLang's router), the agent loop over it and the envs, and the analyzer (rules,
-a plug-in, or an LLM behind an OpenAI-compatible server this run may launch); `play` runs one rollout. Called by the
-trainer and by opid-eval."""
+a plug-in, or an LLM behind an OpenAI-compatible server this run may launch). Called by the trainer and by opid-eval
+(a rollout is played by opid_mega.pipeline.play)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from opid_mega import algo
 from opid_mega.config import Config
 from opid_mega.models import BUILTIN_MODELS
 
@@ -34,31 +33,6 @@ def build_agent_loop(cfg: Config, engine, tokenizer, hf_dir: str):
                      num_workers=cfg.env.num_workers, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                      enable_thinking=cfg.model.enable_thinking, model_path=hf_dir,
                      step_timeout_s=cfg.env.step_timeout_s)
-
-
-def play(loop, cfg: Config, tasks, group_size: int, temperature: float, seed: int, skills=None):
-    """len(tasks) x group_size trajectories (a RolloutBatch). `skills`: one optional episode skill per trajectory,
-    put into the rollout prompt itself (skill_grpo). Engine failures surface as RolloutEngineDied. The rollout ends
-    within rollout.deadline_s (the trajectories still running then are deadline failures: AgentLoop)."""
-    from opid_mega.rollout.engine import SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_response_tokens,
-                              stop_token_ids=tuple(loop.stop_token_ids), seed=seed)
-    try:
-        return loop.run(tasks, group_size, sampling, rollout_skills=skills, skill_kind=algo.EPISODE,
-                        placement=cfg.algo.placement, deadline_s=cfg.rollout.deadline_s)
-    except Exception as exc:  # noqa: BLE001 - env failures are handled inside the loop: this is the engine
-        raise RolloutEngineDied(f"rollout engine failed: {type(exc).__name__}: {exc}") from exc
-
-
-def audit_rollout_skills(audit, batch, it: int, placement: str) -> None:
-    for t in batch.trajectories:
-        for s in t.steps:
-            if s.rollout_skill:
-                audit.log_augmented_prompt(iteration=it, sample_id=f"{it}/rollout/{t.traj_id}/s{s.step}",
-                                           kind=algo.EPISODE, placement=placement, skill=s.rollout_skill,
-                                           prompt=s.prompt_text, stage="rollout")
 
 
 def launch_analyzer_server(cfg: Config, run_dir: Path, python: str = sys.executable):

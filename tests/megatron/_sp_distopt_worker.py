@@ -95,7 +95,7 @@ def _distill_grads(ddp, seqs, lps, micro_tokens, loss_cfg):
     from megatron.core import parallel_state as ps
 
     from opid_mega.megatron.logprobs import forward_step, run_schedule
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
     from opid_mega.megatron.train_step import ppo_loss_func
 
     samples = _train_samples(seqs, lps)

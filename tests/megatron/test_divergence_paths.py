@@ -68,7 +68,7 @@ def _full(hf, tokens, score_from):
 
 
 def test_fork_scorer_divergences_match_float64(setup):
-    from opid_mega.scoring.fork_scorer import ForkScorer
+    from opid_mega.scoring.scorer import ForkScorer
 
     pol, hf = setup
     reqs = _requests()
@@ -104,7 +104,7 @@ def test_fork_scorer_divergences_match_float64(setup):
 def test_sampled_scorer_calls_the_model_as_before(setup):
     """algo.delta=sampled (divergence_topk None): the model function gets exactly the call it got before the
     switch existed (no pairs, no top-k), so the trainer's numbers are bit-identical to the paper path's."""
-    from opid_mega.scoring.fork_scorer import ForkScorer
+    from opid_mega.scoring.scorer import ForkScorer
     from opid_mega.trainer import divergence_topk
 
     pol, _ = setup
@@ -128,7 +128,7 @@ def test_full_kl_advantage_is_sampled_delta_plus_kl(setup):
     """OPID.md §7 with the switch: A = A_out + λ (Δ + KL(p_o‖p_s)) on routed tokens; here A_out = 0 (one group of
     equal rewards), so A / λ is the per-token term, checked against the float64 reference distributions."""
     from opid_mega.config import load_config
-    from opid_mega.scoring.fork_scorer import ForkScorer
+    from opid_mega.scoring.scorer import ForkScorer
     from opid_mega.experience import compute_advantages
 
     pol, hf = setup
@@ -162,7 +162,7 @@ def test_distill_training_gradient_matches_float64_reference(setup):
     coef · Σ KL(p_o‖p_s) / N (skill side stop-gradient) equals the float64 reference's (HF model, separate contexts),
     through megatron's schedule (what Policy.train runs)."""
     from opid_mega.megatron.logprobs import forward_step, run_schedule
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
     from opid_mega.megatron.train_step import LossConfig, ppo_loss_func
     from functools import partial
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from opid_mega.megatron.policy import minibatch_plan
-from opid_mega.megatron.train_batches import TrainData
+from opid_mega.megatron.policy import TrainData
 
 
 def _data(n=21, seed=3):

@@ -403,7 +403,7 @@ def test_builder_packed_training_step_equals_the_samples_path(mp1, tmp_path):
     Samples path (plain_batches: values from the Samples' fields) packed by another budget: equal loss metrics and
     gradients (two fp32 paths: within 1e-5 of each tensor's largest entry) on random sequences and values."""
     from opid_mega.megatron.logprobs import Sample, plain_batches
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
     from opid_mega.megatron.train_step import LossConfig, build_optimizer, train_mini_batch, wrap_ddp
 
     make_hf_model("qwen3", str(tmp_path), layers=2)
@@ -459,7 +459,7 @@ def test_loss_agg_gradient_through_megatron_equals_the_hand_formula(mp1, tmp_pat
     "packed": one packed micro-batch per sequence; "micro_batch_size": both sequences in ONE packed micro-batch,
     the reference's micro-batches of train.micro_batch_size = 1 step-sample given by the loss weights."""
     from opid_mega.megatron.logprobs import Sample, plain_batches
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
     from opid_mega.megatron.train_step import (LossConfig, build_optimizer, loss_micro_batches, train_mini_batch,
                                                wrap_ddp)
 

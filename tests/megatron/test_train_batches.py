@@ -1,11 +1,11 @@
-"""PPO micro-batches from the C++ batch builder (opid_mega.megatron.train_batches) against the definition: every
+"""PPO micro-batches from the C++ batch builder (opid_mega.megatron.policy.TrainData) against the definition: every
 response token of every sample is scored exactly once, from the hidden row of the token before it, with its own
 old log-prob / advantage / reference log-prob; sequences stay whole; budgets and rank balance hold."""
 import numpy as np
 import pytest
 import torch
 
-from opid_mega.megatron.train_batches import TrainData
+from opid_mega.megatron.policy import TrainData
 
 
 def _data(seed, n=23, max_prompt=40, max_resp=12, with_ref=True):

@@ -43,7 +43,7 @@ def run_rank(out_path: str):
     from opid_mega.megatron import parallel
     from opid_mega.megatron.logprobs import PackedBatch, Sample, compute_logprobs
     from opid_mega.megatron.model import build_model, transformer_config
-    from opid_mega.scoring.fork_scorer import ForkScorer
+    from opid_mega.scoring.scorer import ForkScorer
     from opid_mega.scoring.scorer import NaiveScorer, score_requests
 
     hf = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

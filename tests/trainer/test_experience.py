@@ -11,7 +11,7 @@ from opid_mega.config import load_config
 from opid_mega.experience import (Experience, add_skills, advantage_records, fill_scores, metrics,
                                   scores_of_results)
 from opid_mega.batching.layout import csr_offsets
-from opid_mega.megatron.train_batches import TrainData
+from opid_mega.megatron.policy import TrainData
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
 from opid_mega.scoring.scorer import ScoreResult
 from opid_mega.skills.types import Analysis
@@ -107,7 +107,7 @@ def test_skill_contexts_are_routed_fitted_and_audited_once(mode, placement):
     assert [(r["sample_id"], r["kind"], r["skill"]) for r in logged] == want_log
     assert all(r["stage"] == "scoring" and r["placement"] == placement for r in logged)
     # the scorer's contexts and the distillation teacher's contexts are views of the same columns
-    from opid_mega.megatron.train_batches import TrainData
+    from opid_mega.megatron.policy import TrainData
 
     teacher = TrainData(exp.tokens, exp.seq_offsets, exp.resp_lens,
                         dict(old_logprobs=np.zeros(int(exp.resp_lens.sum())),

@@ -203,7 +203,7 @@ def test_lr_used_per_iteration_and_logprobs_at_the_sampling_temperature(trainer,
 @pytest.mark.slow
 def test_skill_grpo_rollouts_and_eval_use_each_tasks_own_skill(trainer, monkeypatch):
     from opid_mega.skills.audit import read_audit
-    from opid_mega.trainer import skill_key
+    from opid_mega.pipeline import skill_key
 
     tr = trainer
     audit = tr.run_dir / "audit.jsonl"
@@ -215,11 +215,12 @@ def test_skill_grpo_rollouts_and_eval_use_each_tasks_own_skill(trainer, monkeypa
                 if r["iteration"] == it and r.get("stage") == "rollout"]
 
     # A has no analysis yet: no skill in its rollouts, whatever other tasks hold
-    tr.skill_bank = {skill_key(task_b): "SKILL OF TASK B"}
+    tr.rollouts.skill_bank.clear()
+    tr.rollouts.skill_bank[skill_key(task_b)] = "SKILL OF TASK B"
     tr.iteration(11)
     assert rollout_skills(11) == []
-    own = tr.skill_bank[skill_key(task_a)]  # filled from A's own analyses of iteration 11
-    assert own.strip() and tr.skill_bank[skill_key(task_b)] == "SKILL OF TASK B"
+    own = tr.rollouts.skill_bank[skill_key(task_a)]  # filled from A's own analyses of iteration 11
+    assert own.strip() and tr.rollouts.skill_bank[skill_key(task_b)] == "SKILL OF TASK B"
     # A's next rollouts carry A's latest skill, and only that
     tr.iteration(12)
     steps = sum(1 for r in read_audit(audit, "augmented_prompt")
@@ -227,12 +228,12 @@ def test_skill_grpo_rollouts_and_eval_use_each_tasks_own_skill(trainer, monkeypa
     assert steps >= 2 and rollout_skills(12) == [own] * steps
 
     # "with skills" evaluation: each eval task gets the episode skill of the analysis of its own no-skill episode
-    ev = tr.evaluate(13)
+    ev = tr.rollouts.evaluate(13)
     assert set(ev) == {"eval/success_rate", "eval/episode_length", "eval/success_rate_with_skills"}
     analyses = {r["traj_id"]: r["analysis"]["episode_skill"] for r in read_audit(audit, "analysis")
                 if r["iteration"] == 13 and r.get("analysis")}
-    assert len(analyses) == len(tr.eval_tasks) == 2
-    for i, t in enumerate(tr.eval_tasks):
+    assert len(analyses) == len(tr.rollouts.eval_tasks) == 2
+    for i, t in enumerate(tr.rollouts.eval_tasks):
         mine = analyses[f"eval13/{skill_key(t)}/{i}"]
         got = [r["skill"] for r in read_audit(audit, "augmented_prompt")
                if r["iteration"] == 13 and r["sample_id"].startswith(f"13/rollout/{i}/")]

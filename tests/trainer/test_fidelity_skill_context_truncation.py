@@ -20,9 +20,9 @@ from opid_mega.batching import build_fork_batches
 from opid_mega.batching.layout import csr_offsets, sample_prefix_lengths, skill_contexts
 from opid_mega.config import load_config
 from opid_mega.experience import Experience, add_skills
-from opid_mega.megatron.train_batches import TrainData
+from opid_mega.megatron.policy import TrainData
 from opid_mega.rollout.types import RolloutBatch, StepSample, Trajectory
-from opid_mega.scoring.fork_scorer import ForkScorer
+from opid_mega.scoring.scorer import ForkScorer
 from opid_mega.scoring.scorer import NaiveScorer, ScoreRequest, context_batch, score_requests
 from opid_mega.skills.types import Analysis
 from tolerance import tolerance_for

@@ -16,7 +16,7 @@ def test_all_modes_and_scorers(tiny_cfg, tmp_path):
     tr = Trainer(cfg, str(tmp_path))
     try:
         m = tr.iteration(1)  # opid: analyses fill the skill bank
-        assert m["adv/skill_abs_mean"] > 0 and tr.skill_bank
+        assert m["adv/skill_abs_mean"] > 0 and tr.rollouts.skill_bank
         for it, (mode, skill_term) in enumerate([("no_routing", True), ("no_episode_skill", None),
                                                  ("no_step_skill", True), ("grpo", False),
                                                  ("skill_grpo", False)], start=2):
@@ -25,7 +25,7 @@ def test_all_modes_and_scorers(tiny_cfg, tmp_path):
             if skill_term is not None:
                 assert (m["adv/skill_abs_mean"] > 0) == skill_term, mode
             assert m["ppo/loss"] is not None and torch.isfinite(torch.tensor(m["ppo/loss"]))
-        ev = tr.evaluate(7)
+        ev = tr.rollouts.evaluate(7)
         assert set(ev) == {"eval/success_rate", "eval/episode_length", "eval/success_rate_with_skills"}
         # fork layout (one forward, shared prefix) == naive two-pass scoring, through the trainer's adapters
         sec = tr.encode_text("**Episode-Level Skill**\nhint\n[go east]\n\n")

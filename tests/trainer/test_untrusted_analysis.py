@@ -64,7 +64,7 @@ def test_long_and_poisoned_skills_are_cut_and_every_fork_group_is_scored(tiny_cf
         assert uncut > max(cfg.train.micro_batch_tokens,
                            4 * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens))
         assert tr.scorer.max_tokens >= 3 * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens) \
-            + sum(tr.section_caps.values())
+            + sum(tr.fit_section.caps.values())
         m = tr.iteration(1)
     finally:
         tr.close()
