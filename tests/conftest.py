@@ -7,6 +7,9 @@
   run. CI's machine has everything the README install brings, root and network namespaces; only a test marked
   ``gpu`` (it needs a CUDA GPU) may skip there. The session ends with one line per skipped test naming the test and
   the missing condition, and exit status 1. Outside CI, skips stay skips with their reason.
+- Time per file: the session ends with the test files that took longer than FILE_BUDGET_S (set-up, call and
+  tear-down of their tests summed), slowest first, and the total of the run (the suite's budget: 40 min on the CI
+  machine's 2 cores).
 """
 import os
 import sys
@@ -59,8 +62,14 @@ def _note_skip(report) -> None:
         _REQUIRED_SKIPS.append((report.nodeid, _skip_reason(report)))
 
 
+FILE_BUDGET_S = 120.0  # a test file over this is named at the end of the run
+_FILE_SECONDS: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report):
     _note_skip(report)
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
 
 
 def pytest_collectreport(report):  # a module-level skip (importorskip of a missing package)
@@ -74,6 +83,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = sorted(((s, f) for f, s in _FILE_SECONDS.items() if s > FILE_BUDGET_S), reverse=True)
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section(f"test files over {FILE_BUDGET_S:.0f} s", sep="=")
+    for seconds, path in over:
+        terminalreporter.line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.line(f"{len(over)} of {len(_FILE_SECONDS)} files over {FILE_BUDGET_S:.0f} s; the tests took "
+                          f"{total / 60:.1f} min in all")
     if ci_strict() and _REQUIRED_SKIPS:
         terminalreporter.section("required tests skipped under CI", sep="=", red=True, bold=True)
         for nodeid, reason in _REQUIRED_SKIPS:
