@@ -240,7 +240,8 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
          host_gbps: float = DEFAULTS["host_gbps"], decode_mfu: float = DEFAULTS["decode_mfu"],
          decode_tok_s: float = DEFAULTS["decode_tok_s"]) -> dict:
     """The plan of ``cfg`` as a dict (what ``opid-plan --json`` prints). Raises :class:`PlanError` when the model
-    cannot be known."""
+    cannot be known. The plan is worked out part by part (:class:`_Plan`): placement, parallel layout, a training
+    rank's memory, the SGLang servers' pools, every GPU of node 0, the time of one iteration."""
     for name, v in (("--gpu-mem-gib", gpu_mem_gib), ("--mfu", mfu), ("--gpu-tflops", gpu_tflops),
                     ("--sync-gbps", sync_gbps), ("--host-gbps", host_gbps), ("--decode-mfu", decode_mfu)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -249,319 +250,371 @@ def plan(cfg: Config, gpu_mem_gib: float = DEFAULTS["gpu_mem_gib"], mfu: float =
         raise PlanError(f"--decode-tok-s: got {decode_tok_s!r}, allowed: a number >= 0 (0: from --decode-mfu)")
     if mfu > 1 or decode_mfu > 1:
         raise PlanError("--mfu / --decode-mfu: allowed: a number in (0, 1]")
+    p = _Plan(cfg, gpu_mem_gib=gpu_mem_gib, mfu=mfu, gpu_tflops=gpu_tflops, sync_gbps=sync_gbps,
+              host_gbps=host_gbps, decode_mfu=decode_mfu, decode_tok_s=decode_tok_s)
+    p.placement()
+    p.layout()
+    p.training_memory()
+    p.servers()
+    p.gpus()
+    p.iteration_time()
+    return p.result()
 
-    hf, hf_source = model_source(cfg)
-    a = arch_facts(hf, name=os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path else cfg.model.builtin)
-    errors: list[str] = []
-    notes: list[str] = []
-    p, d, t, r = cfg.parallel, cfg.deploy, cfg.train, cfg.rollout
-    G, nodes = d.gpus_per_node, d.nodes
-    gpu_bytes = gpu_mem_gib * GIB
-    e = DTYPE_BYTES[cfg.model.dtype]
-    gpu_cluster = p.backend != "gloo"
+
+class _Plan:
+    """One plan's working state: each method reads what the earlier ones set and adds its part (errors and notes
+    collect as it goes)."""
+
+    def __init__(self, cfg: Config, **rates):
+        self.cfg, self.rates = cfg, rates
+        self.hf, self.hf_source = model_source(cfg)
+        self.a = arch_facts(self.hf, name=os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path
+                            else cfg.model.builtin)
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.gpu_bytes = rates["gpu_mem_gib"] * GIB
+        self.e = DTYPE_BYTES[cfg.model.dtype]
+        self.gpu_cluster = cfg.parallel.backend != "gloo"
 
     # ---------------------------------------------------------------- placement
-    launched_servers = r.engine == "sglang" and not r.sglang_url
-    n_srv = d.rollout_servers_per_node if launched_servers else 0
-    rtp = d.rollout_tp
-    analyzer_launched = cfg.algo.needs_analysis and cfg.analyzer.backend == "llm" and not cfg.analyzer.base_url
-    analyzer_ids = list(d.analyzer_gpus) if analyzer_launched else []
-    if not launched_servers:
-        notes.append("rollout: " + ("the embedded local engine on rank 0 (no SGLang server placed)"
-                                    if r.engine == "local" else f"an external SGLang server ({r.sglang_url}), not placed"))
-    if cfg.analyzer.backend == "llm" and cfg.analyzer.base_url:
-        notes.append(f"analyzer: external endpoint {cfg.analyzer.base_url}, not placed")
-    if d.analyzer_gpus and not analyzer_launched:
-        notes.append("deploy.analyzer_gpus is set but no analyzer server is launched: those GPUs stay idle")
+    def placement(self) -> None:
+        cfg, d, r, notes = self.cfg, self.cfg.deploy, self.cfg.rollout, self.notes
+        self.launched_servers = r.engine == "sglang" and not r.sglang_url
+        n_srv = d.rollout_servers_per_node if self.launched_servers else 0
+        self.rtp = d.rollout_tp
+        self.analyzer_launched = cfg.algo.needs_analysis and cfg.analyzer.backend == "llm" and not cfg.analyzer.base_url
+        self.analyzer_ids = list(d.analyzer_gpus) if self.analyzer_launched else []
+        if not self.launched_servers:
+            notes.append("rollout: " + ("the embedded local engine on rank 0 (no SGLang server placed)"
+                                        if r.engine == "local" else f"an external SGLang server ({r.sglang_url}), not placed"))
+        if cfg.analyzer.backend == "llm" and cfg.analyzer.base_url:
+            notes.append(f"analyzer: external endpoint {cfg.analyzer.base_url}, not placed")
+        if d.analyzer_gpus and not self.analyzer_launched:
+            notes.append("deploy.analyzer_gpus is set but no analyzer server is launched: those GPUs stay idle")
 
-    # the launcher's own rules (opid_mega.placement), every problem collected; analyzer GPUs stay off training
-    # even when no analyzer is launched, as in the launcher
-    from opid_mega.placement import placement_problems
+        # the launcher's own rules (opid_mega.placement), every problem collected; analyzer GPUs stay off training
+        # even when no analyzer is launched, as in the launcher
+        from opid_mega.placement import placement_problems
 
-    placed, problems = placement_problems(d, servers=n_srv, analyzer_launched=analyzer_launched and gpu_cluster)
-    errors.extend(problems)
-    train_ids, groups = placed.train_gpus, placed.rollout_groups
-    T = len(train_ids)
+        placed, problems = placement_problems(d, servers=n_srv,
+                                              analyzer_launched=self.analyzer_launched and self.gpu_cluster)
+        self.errors.extend(problems)
+        self.train_ids, self.groups = placed.train_gpus, placed.rollout_groups
 
-    # ---------------------------------------------------------------- GPUs the layout leaves idle
-    # every node gets the same placement; the launched analyzer is on node 0 only, so its GPUs sit idle on the
-    # other nodes (the launcher keeps deploy.analyzer_gpus off training on every node)
-    idle = []
-    if gpu_cluster:
-        busy = set(train_ids) | {g for grp in groups for g in grp}
-        for n in range(nodes):
-            free = [g for g in range(G) if g not in busy and not (n == 0 and g in analyzer_ids)]
-            if free:
-                idle.append(dict(node=n, gpus=free))
-    idle_gpus = dict(count=sum(len(x["gpus"]) for x in idle), of=nodes * G, per_node=idle)
+        # GPUs the layout leaves idle: every node gets the same placement; the launched analyzer is on node 0 only,
+        # so its GPUs sit idle on the other nodes (the launcher keeps deploy.analyzer_gpus off training on every node)
+        idle = []
+        if self.gpu_cluster:
+            busy = set(self.train_ids) | {g for grp in self.groups for g in grp}
+            for n in range(d.nodes):
+                free = [g for g in range(d.gpus_per_node)
+                        if g not in busy and not (n == 0 and g in self.analyzer_ids)]
+                if free:
+                    idle.append(dict(node=n, gpus=free))
+        self.idle_gpus = dict(count=sum(len(x["gpus"]) for x in idle), of=d.nodes * d.gpus_per_node, per_node=idle)
 
     # ---------------------------------------------------------------- parallel layout
-    from opid_mega.megatron.layout import layout_error
+    def layout(self) -> None:
+        from opid_mega.megatron.layout import layout_error
 
-    world = nodes * T
-    tp, pp, vpp = p.tp, p.pp, p.vpp
-    facts = dict(name=a["name"], heads=a["heads"], kv_heads=a["kv_heads"], layers=a["layers"], vocab=a["vocab"],
-                 ffn=a["ffn"], hidden=a["hidden"])
-    msg = layout_error(facts, tp=tp, pp=pp, vpp=vpp, sp=p.sequence_parallel, cp=p.cp, world=None)
-    if msg:
-        key = ("parallel.pp" if msg.startswith("pp*vpp") else "parallel.vpp" if msg.startswith("vpp") else
-               "parallel.cp" if msg.startswith("cp") else "parallel.sequence_parallel" if msg.startswith("sequence")
-               else "parallel.tp")
-        errors.append(f"{key}: {msg}")
-    if T and T % tp:
-        errors.append(f"parallel.tp: tp={tp} does not divide the {T} training GPUs of a node: a tensor-parallel "
-                      "group would span nodes (keep TP inside a node)")
-    if world and world % (tp * pp * p.cp):
-        errors.append(f"deploy.nodes: the world size {nodes} nodes x {T} training GPUs = {world} is not divisible by "
-                      f"tp*pp*cp = {tp}*{pp}*{p.cp} = {tp * pp * p.cp} (deploy.train_gpus_per_node / parallel.tp / "
-                      "parallel.pp)")
-    dp = max(world // (tp * pp * p.cp), 1)
+        p, a, T, errors = self.cfg.parallel, self.a, len(self.train_ids), self.errors
+        self.world = self.cfg.deploy.nodes * T
+        tp, pp = p.tp, p.pp
+        facts = dict(name=a["name"], heads=a["heads"], kv_heads=a["kv_heads"], layers=a["layers"], vocab=a["vocab"],
+                     ffn=a["ffn"], hidden=a["hidden"])
+        msg = layout_error(facts, tp=tp, pp=pp, vpp=p.vpp, sp=p.sequence_parallel, cp=p.cp, world=None)
+        if msg:
+            key = ("parallel.pp" if msg.startswith("pp*vpp") else "parallel.vpp" if msg.startswith("vpp") else
+                   "parallel.cp" if msg.startswith("cp") else "parallel.sequence_parallel" if msg.startswith("sequence")
+                   else "parallel.tp")
+            errors.append(f"{key}: {msg}")
+        if T and T % tp:
+            errors.append(f"parallel.tp: tp={tp} does not divide the {T} training GPUs of a node: a tensor-parallel "
+                          "group would span nodes (keep TP inside a node)")
+        if self.world and self.world % (tp * pp * p.cp):
+            errors.append(f"deploy.nodes: the world size {self.cfg.deploy.nodes} nodes x {T} training GPUs = "
+                          f"{self.world} is not divisible by tp*pp*cp = {tp}*{pp}*{p.cp} = {tp * pp * p.cp} "
+                          "(deploy.train_gpus_per_node / parallel.tp / parallel.pp)")
+        self.dp = max(self.world // (tp * pp * p.cp), 1)
 
     # ---------------------------------------------------------------- memory of a training rank
-    N = param_count(a)
-    rp = rank_params(a, tp, pp)
-    P = rp["largest"]
-    main_weights = 4 if e != 4 else 0  # fp32 main weights: only for a bf16/fp16 model (fp32: the weights themselves)
-    opt_per_param = main_weights + 8  # + Adam exp_avg and exp_avg_sq in fp32
-    weights = P * e
-    grads = P * 4  # megatron DDP grad buffer, grad_reduce_in_fp32 (opid_mega.megatron.train_step.wrap_ddp)
-    opt_full = P * opt_per_param
-    opt_sharded = math.ceil(P / dp) * opt_per_param
-    optimizer = opt_sharded if t.distributed_optimizer else opt_full
-    opt_params = math.ceil(P / dp) if t.distributed_optimizer else P
-    master = opt_params * main_weights  # fp32 master weights: the optimizer's parameters, on the GPU in every phase
-    moments = opt_params * 8  # Adam exp_avg + exp_avg_sq: the only state colocation moves to the host
-    act = activation_bytes_per_token_layer(a, tp, p.sequence_parallel, e)
-    s = t.micro_batch_tokens
-    layers_per_rank = a["layers"] // pp if a["layers"] % pp == 0 else -(-a["layers"] // pp)
-    # 1F1B: the first stage holds min(pp, micro-batches) micro-batches in flight = pp x (layers/pp) layers = all
-    # layers of one micro-batch; interleaved (vpp > 1): x (1 + (pp - 1) / (pp * vpp)) (Narayanan et al. 2021)
-    in_flight = pp * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
-    act_layers = layers_per_rank * in_flight
-    vocab_shard = -(-a["vocab"] // tp)
-    head = 2 * s * min(LOGPROB_CHUNK, vocab_shard) * 4  # two [tokens, chunk] fp32 buffers (the torch head; Triton less)
-    act_none = act_layers * s * act["none"] + head
-    act_sel = act_layers * s * act["selective"] + head
-    act_full = act_layers * s * act["full_input"] + s * act["full_layer"] + head
-    activations = {"none": act_none, "selective": act_sel, "full": act_full}[t.recompute]
-    # fork scoring (forward only): the trainer's scoring micro-batch budget, one layer's working set at a time,
-    # the K/V of the micro-batch (shared prefixes computed once, attended by every branch) and the head chunk
-    # (the trainer's bound: original + two skill contexts, each section capped at analyzer.max_skill_tokens plus its
-    # frame, ~30 tokens of title and instruction with the Qwen/Llama tokenizers)
-    from opid_mega.batching.layout import fork_sample_bound
+    def training_memory(self) -> None:
+        cfg, a, e, p, t, r = self.cfg, self.a, self.e, self.cfg.parallel, self.cfg.train, self.cfg.rollout
+        tp, pp, vpp, dp = p.tp, p.pp, p.vpp, self.dp
+        self.N = param_count(a)
+        self.rp = rank_params(a, tp, pp)
+        P = self.P = self.rp["largest"]
+        main_weights = 4 if e != 4 else 0  # fp32 main weights: only for a bf16/fp16 model (fp32: the weights themselves)
+        self.opt_per_param = main_weights + 8  # + Adam exp_avg and exp_avg_sq in fp32
+        self.weights = P * e
+        self.grads = P * 4  # megatron DDP grad buffer, grad_reduce_in_fp32 (opid_mega.megatron.train_step.wrap_ddp)
+        self.opt_full = P * self.opt_per_param
+        self.opt_sharded = math.ceil(P / dp) * self.opt_per_param
+        self.optimizer = self.opt_sharded if t.distributed_optimizer else self.opt_full
+        opt_params = math.ceil(P / dp) if t.distributed_optimizer else P
+        self.master = opt_params * main_weights  # fp32 master weights: the optimizer's parameters, on the GPU always
+        self.moments = opt_params * 8  # Adam exp_avg + exp_avg_sq: the only state colocation moves to the host
+        act = self.act = activation_bytes_per_token_layer(a, tp, p.sequence_parallel, e)
+        s = t.micro_batch_tokens
+        layers_per_rank = a["layers"] // pp if a["layers"] % pp == 0 else -(-a["layers"] // pp)
+        # 1F1B: the first stage holds min(pp, micro-batches) micro-batches in flight = pp x (layers/pp) layers = all
+        # layers of one micro-batch; interleaved (vpp > 1): x (1 + (pp - 1) / (pp * vpp)) (Narayanan et al. 2021)
+        in_flight = pp * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
+        self.act_layers = layers_per_rank * in_flight
+        vocab_shard = -(-a["vocab"] // tp)
+        head = 2 * s * min(LOGPROB_CHUNK, vocab_shard) * 4  # two [tokens, chunk] fp32 buffers (the torch head)
+        self.act_by_recompute = {"none": self.act_layers * s * act["none"] + head,
+                                 "selective": self.act_layers * s * act["selective"] + head,
+                                 "full": self.act_layers * s * act["full_input"] + s * act["full_layer"] + head}
+        self.activations = self.act_by_recompute[t.recompute]
+        # fork scoring (forward only): the trainer's scoring micro-batch budget, one layer's working set at a time,
+        # the K/V of the micro-batch (shared prefixes computed once, attended by every branch) and the head chunk
+        # (the trainer's bound: original + two skill contexts, each section capped at analyzer.max_skill_tokens plus
+        # its frame, ~30 tokens of title and instruction with the Qwen/Llama tokenizers)
+        from opid_mega.batching.layout import fork_sample_bound
 
-    score_tokens = max(t.micro_batch_tokens, fork_sample_bound(r.max_prompt_tokens, r.max_response_tokens,
-                                                               [cfg.analyzer.max_skill_tokens + 40] * 2)) \
-        if cfg.scoring.scorer == "fork" else t.micro_batch_tokens
-    score_layer = score_tokens * act["full_layer"]
-    score_kv = score_tokens * 2 * max(a["kv_heads"] / tp, 1) * a["head_dim"] * e
-    score_head = 2 * score_tokens * min(LOGPROB_CHUNK, vocab_shard) * 4
-    scoring = score_layer + score_kv + score_head
-    train_static = weights + grads + optimizer
-    train_peak = train_static + max(activations, scoring)
+        self.score_tokens = max(s, fork_sample_bound(r.max_prompt_tokens, r.max_response_tokens,
+                                                     [cfg.analyzer.max_skill_tokens + 40] * 2)) \
+            if cfg.scoring.scorer == "fork" else s
+        self.score_layer = self.score_tokens * act["full_layer"]
+        self.score_kv = self.score_tokens * 2 * max(a["kv_heads"] / tp, 1) * a["head_dim"] * e
+        self.score_head = 2 * self.score_tokens * min(LOGPROB_CHUNK, vocab_shard) * 4
+        self.scoring = self.score_layer + self.score_kv + self.score_head
+        self.train_peak = self.weights + self.grads + self.optimizer + max(self.activations, self.scoring)
 
     # ---------------------------------------------------------------- SGLang servers
-    # SGLang sizes its pool (weights + KV cache) once, at start, as --mem-fraction-static x the GPU memory FREE
-    # then (0.5.23: pool = f x free before its weights load; KV = pool - weights). A colocated server starts after
-    # the trainer's Policy on the same GPU: its weights, DDP grad buffer and fp32 master weights are resident then
-    # and stay resident in every phase; Adam's moments too unless deploy.offload_optimizer (they do not exist yet on
-    # a fresh start, and a resumed run moves them to the host before the servers start).
-    colocated = d.mode == "colocated"
-    offloaded = colocated and d.offload_optimizer
-    resident_in_rollout = weights + grads + master + (0 if offloaded else moments)
-    srv_on_train = colocated and any(g in train_ids for grp in groups for g in grp)
-    srv_free = gpu_bytes - (resident_in_rollout if srv_on_train else 0.0)
-    serve_e = e
-    srv_weights = N * serve_e / rtp
-    srv_pool = d.rollout_mem_fraction * srv_free
-    srv_kv = srv_pool - srv_weights
-    kv_tok = kv_bytes_per_token(a, rtp, serve_e)
-    seq_tokens = r.max_prompt_tokens + r.max_response_tokens
-    if groups and srv_kv < kv_tok * seq_tokens:
-        errors.append(f"deploy.rollout_mem_fraction: a rollout server's pool ({d.rollout_mem_fraction} x "
-                      f"{_gib(srv_free):g} GiB free at its start = {_gib(srv_pool)} GiB per GPU) minus its weights ({_gib(srv_weights)} GiB "
-                      f"per GPU at rollout_tp={rtp}) leaves {_gib(max(srv_kv, 0))} GiB of KV cache, less than one "
-                      f"sequence of {seq_tokens} tokens ({_gib(kv_tok * seq_tokens)} GiB); raise it or deploy.rollout_tp")
-    an_weights = an_pool = an_kv = 0.0
-    an_source = None
-    an_N = None
-    if analyzer_ids:
-        an_pool = d.analyzer_mem_fraction * gpu_bytes
-        try:
-            an_hf, an_source = resolve_hf_config(cfg.analyzer.model, "analyzer.model") if cfg.analyzer.model else \
-                (hf, hf_source)
-            an_a = arch_facts(an_hf, name=os.path.basename(os.path.normpath(cfg.analyzer.model or a["name"])))
-            an_N = param_count(an_a)
-            an_weights = an_N * 2 / len(analyzer_ids)  # served in bf16, TP = its GPUs
-            an_kv = an_pool - an_weights
-            need = kv_bytes_per_token(an_a, len(analyzer_ids), 2) * (cfg.analyzer.max_tokens + r.max_prompt_tokens)
-            if an_kv < need:
-                errors.append(f"deploy.analyzer_mem_fraction: the analyzer's pool ({_gib(an_pool)} GiB per GPU) minus "
-                              f"its weights ({_gib(an_weights)} GiB) leaves {_gib(max(an_kv, 0))} GiB of KV cache, "
-                              f"less than one request ({_gib(need)} GiB); raise it or add deploy.analyzer_gpus")
-        except PlanError as err:
-            notes.append(f"analyzer model not known ({err}); its KV cache is not checked")
+    def servers(self) -> None:
+        """SGLang sizes its pool (weights + KV cache) once, at start, as --mem-fraction-static x the GPU memory FREE
+        then (0.5.23: pool = f x free before its weights load; KV = pool - weights). A colocated server starts after
+        the trainer's Policy on the same GPU: its weights, DDP grad buffer and fp32 master weights are resident then
+        and stay resident in every phase; Adam's moments too unless deploy.offload_optimizer (they do not exist yet on
+        a fresh start, and a resumed run moves them to the host before the servers start)."""
+        cfg, d, r, errors = self.cfg, self.cfg.deploy, self.cfg.rollout, self.errors
+        self.colocated = d.mode == "colocated"
+        offloaded = self.colocated and d.offload_optimizer
+        self.resident_in_rollout = self.weights + self.grads + self.master + (0 if offloaded else self.moments)
+        srv_on_train = self.colocated and any(g in self.train_ids for grp in self.groups for g in grp)
+        self.srv_free = self.gpu_bytes - (self.resident_in_rollout if srv_on_train else 0.0)
+        self.srv_weights = self.N * self.e / self.rtp
+        self.srv_pool = d.rollout_mem_fraction * self.srv_free
+        self.srv_kv = self.srv_pool - self.srv_weights
+        self.kv_tok = kv_bytes_per_token(self.a, self.rtp, self.e)
+        seq_tokens = r.max_prompt_tokens + r.max_response_tokens
+        if self.groups and self.srv_kv < self.kv_tok * seq_tokens:
+            errors.append(f"deploy.rollout_mem_fraction: a rollout server's pool ({d.rollout_mem_fraction} x "
+                          f"{_gib(self.srv_free):g} GiB free at its start = {_gib(self.srv_pool)} GiB per GPU) minus its "
+                          f"weights ({_gib(self.srv_weights)} GiB per GPU at rollout_tp={self.rtp}) leaves "
+                          f"{_gib(max(self.srv_kv, 0))} GiB of KV cache, less than one sequence of {seq_tokens} tokens "
+                          f"({_gib(self.kv_tok * seq_tokens)} GiB); raise it or deploy.rollout_tp")
+        self.an_weights = self.an_pool = self.an_kv = 0.0
+        self.an_N = None
+        if self.analyzer_ids:
+            self.an_pool = d.analyzer_mem_fraction * self.gpu_bytes
+            try:
+                an_hf, _ = resolve_hf_config(cfg.analyzer.model, "analyzer.model") if cfg.analyzer.model else \
+                    (self.hf, self.hf_source)
+                an_a = arch_facts(an_hf, name=os.path.basename(os.path.normpath(cfg.analyzer.model or self.a["name"])))
+                self.an_N = param_count(an_a)
+                self.an_weights = self.an_N * 2 / len(self.analyzer_ids)  # served in bf16, TP = its GPUs
+                self.an_kv = self.an_pool - self.an_weights
+                need = kv_bytes_per_token(an_a, len(self.analyzer_ids), 2) * (cfg.analyzer.max_tokens +
+                                                                              r.max_prompt_tokens)
+                if self.an_kv < need:
+                    errors.append(f"deploy.analyzer_mem_fraction: the analyzer's pool ({_gib(self.an_pool)} GiB per "
+                                  f"GPU) minus its weights ({_gib(self.an_weights)} GiB) leaves "
+                                  f"{_gib(max(self.an_kv, 0))} GiB of KV cache, less than one request ({_gib(need)} "
+                                  "GiB); raise it or add deploy.analyzer_gpus")
+            except PlanError as err:
+                self.notes.append(f"analyzer model not known ({err}); its KV cache is not checked")
 
     # ---------------------------------------------------------------- every GPU of node 0
-    per_gpu = []
-    for g in range(G):
-        is_train = g in train_ids
-        n_pools = sum(1 for grp in groups if g in grp)
-        pools = n_pools * srv_pool + (an_pool if g in analyzer_ids else 0.0)
-        if is_train:
-            training = train_peak + (pools if (not d.release_engine_memory or not colocated) else 0.0)
-            rollout = resident_in_rollout + pools
-            total = max(training, rollout)
-        else:
-            training = rollout = total = pools
-        per_gpu.append(dict(gpu=g, train=is_train, rollout_servers=n_pools, analyzer=g in analyzer_ids,
-                            training_phase_gib=_gib(training), rollout_phase_gib=_gib(rollout), peak_gib=_gib(total)))
-        if total > gpu_bytes:
-            what = []
+    def gpus(self) -> None:
+        d, gpu_mem_gib = self.cfg.deploy, self.rates["gpu_mem_gib"]
+        self.per_gpu = []
+        for g in range(d.gpus_per_node):
+            is_train = g in self.train_ids
+            n_pools = sum(1 for grp in self.groups if g in grp)
+            pools = n_pools * self.srv_pool + (self.an_pool if g in self.analyzer_ids else 0.0)
             if is_train:
-                what.append("train.micro_batch_tokens / train.recompute / train.distributed_optimizer / parallel.tp / "
-                            "parallel.pp")
-            if pools:
-                what.append("deploy.rollout_mem_fraction / deploy.analyzer_mem_fraction")
-            errors.append(f"memory: GPU {g} of node 0 needs {_gib(total)} GiB > {gpu_mem_gib:g} GiB (--gpu-mem-gib); "
-                          f"lower {' or '.join(what)}")
-    fullest = max(per_gpu, key=lambda x: x["peak_gib"]) if per_gpu else dict(gpu=0, peak_gib=0.0)
+                training = self.train_peak + (pools if (not d.release_engine_memory or not self.colocated) else 0.0)
+                rollout = self.resident_in_rollout + pools
+                total = max(training, rollout)
+            else:
+                training = rollout = total = pools
+            self.per_gpu.append(dict(gpu=g, train=is_train, rollout_servers=n_pools, analyzer=g in self.analyzer_ids,
+                                     training_phase_gib=_gib(training), rollout_phase_gib=_gib(rollout),
+                                     peak_gib=_gib(total)))
+            if total > self.gpu_bytes:
+                what = []
+                if is_train:
+                    what.append("train.micro_batch_tokens / train.recompute / train.distributed_optimizer / "
+                                "parallel.tp / parallel.pp")
+                if pools:
+                    what.append("deploy.rollout_mem_fraction / deploy.analyzer_mem_fraction")
+                self.errors.append(f"memory: GPU {g} of node 0 needs {_gib(total)} GiB > {gpu_mem_gib:g} GiB "
+                                   f"(--gpu-mem-gib); lower {' or '.join(what)}")
+        self.fullest = max(self.per_gpu, key=lambda x: x["peak_gib"]) if self.per_gpu else dict(gpu=0, peak_gib=0.0)
 
-    memory = dict(
-        gpu=fullest["gpu"], gpu_mem_gib=gpu_mem_gib,
-        params_rank=P, params_stages=rp["stages"],
-        weights_bytes=int(weights), grads_bytes=int(grads), optimizer_bytes=int(optimizer),
-        master_bytes=int(master), moments_bytes=int(moments), master_gib=_gib(master), moments_gib=_gib(moments),
-        resident_in_rollout_bytes=int(resident_in_rollout) if colocated else 0,
-        resident_in_rollout_gib=_gib(resident_in_rollout) if colocated else 0.0,
-        weights_gib=_gib(weights), grads_gib=_gib(grads),
-        optimizer_gib=_gib(optimizer), optimizer_unsharded_gib=_gib(opt_full), optimizer_sharded_gib=_gib(opt_sharded),
-        activations_gib=_gib(activations), activations_none_gib=_gib(act_none),
-        activations_selective_gib=_gib(act_sel), activations_full_gib=_gib(act_full),
-        activation_bytes_per_token_layer=round(act["none"], 1),
-        scoring_gib=_gib(scoring), scoring_layer_gib=_gib(score_layer), scoring_prefix_kv_gib=_gib(score_kv),
-        scoring_head_gib=_gib(score_head), scoring_tokens=score_tokens,
-        train_peak_gib=_gib(train_peak),
-        rollout_servers_per_node=len(groups), rollout_groups=groups,
-        sglang_free_at_start_bytes=int(srv_free) if groups else 0, sglang_pool_bytes=int(srv_pool) if groups else 0,
-        sglang_kv_bytes=int(max(srv_kv, 0)) if groups else 0, sglang_free_at_start_gib=_gib(srv_free) if groups else 0.0,
-        sglang_pool_gib=_gib(srv_pool) if groups else 0.0, sglang_weights_gib=_gib(srv_weights) if groups else 0.0,
-        sglang_kv_gib=_gib(max(srv_kv, 0)) if groups else 0.0,
-        sglang_kv_tokens=int(max(srv_kv, 0) // kv_tok) if groups else 0,
-        analyzer_gpus=analyzer_ids, analyzer_pool_gib=_gib(an_pool), analyzer_weights_gib=_gib(an_weights),
-        analyzer_kv_gib=_gib(max(an_kv, 0)),
-        host_reference_gib=_gib(P * e) if (t.use_reference and cfg.algo.kl_coef > 0) else 0.0,
-        per_gpu=per_gpu,
-    )
+    def memory(self) -> dict:
+        t, groups, colocated = self.cfg.train, self.groups, self.colocated
+        act = self.act_by_recompute
+        return dict(
+            gpu=self.fullest["gpu"], gpu_mem_gib=self.rates["gpu_mem_gib"],
+            params_rank=self.P, params_stages=self.rp["stages"],
+            weights_bytes=int(self.weights), grads_bytes=int(self.grads), optimizer_bytes=int(self.optimizer),
+            master_bytes=int(self.master), moments_bytes=int(self.moments), master_gib=_gib(self.master),
+            moments_gib=_gib(self.moments),
+            resident_in_rollout_bytes=int(self.resident_in_rollout) if colocated else 0,
+            resident_in_rollout_gib=_gib(self.resident_in_rollout) if colocated else 0.0,
+            weights_gib=_gib(self.weights), grads_gib=_gib(self.grads),
+            optimizer_gib=_gib(self.optimizer), optimizer_unsharded_gib=_gib(self.opt_full),
+            optimizer_sharded_gib=_gib(self.opt_sharded),
+            activations_gib=_gib(self.activations), activations_none_gib=_gib(act["none"]),
+            activations_selective_gib=_gib(act["selective"]), activations_full_gib=_gib(act["full"]),
+            activation_bytes_per_token_layer=round(self.act["none"], 1),
+            scoring_gib=_gib(self.scoring), scoring_layer_gib=_gib(self.score_layer),
+            scoring_prefix_kv_gib=_gib(self.score_kv), scoring_head_gib=_gib(self.score_head),
+            scoring_tokens=self.score_tokens,
+            train_peak_gib=_gib(self.train_peak),
+            rollout_servers_per_node=len(groups), rollout_groups=groups,
+            sglang_free_at_start_bytes=int(self.srv_free) if groups else 0,
+            sglang_pool_bytes=int(self.srv_pool) if groups else 0,
+            sglang_kv_bytes=int(max(self.srv_kv, 0)) if groups else 0,
+            sglang_free_at_start_gib=_gib(self.srv_free) if groups else 0.0,
+            sglang_pool_gib=_gib(self.srv_pool) if groups else 0.0,
+            sglang_weights_gib=_gib(self.srv_weights) if groups else 0.0,
+            sglang_kv_gib=_gib(max(self.srv_kv, 0)) if groups else 0.0,
+            sglang_kv_tokens=int(max(self.srv_kv, 0) // self.kv_tok) if groups else 0,
+            analyzer_gpus=self.analyzer_ids, analyzer_pool_gib=_gib(self.an_pool),
+            analyzer_weights_gib=_gib(self.an_weights), analyzer_kv_gib=_gib(max(self.an_kv, 0)),
+            host_reference_gib=_gib(self.P * self.e) if (t.use_reference and self.cfg.algo.kl_coef > 0) else 0.0,
+            per_gpu=self.per_gpu,
+        )
 
     # ---------------------------------------------------------------- time of one iteration
-    B, Gs, S = r.tasks_per_iter, r.group_size, cfg.env.max_steps
-    rollout_tokens = B * Gs * S * r.max_response_tokens
-    per_gpu_decode = decode_tok_s or decode_mfu * gpu_tflops * 1e12 / (2 * N)
-    rollout_gpus = nodes * len(groups) * rtp if groups else 1
-    t_rollout = rollout_tokens / (per_gpu_decode * rollout_gpus)
-    t_analysis = 0.0
-    analyzer_tokens = 0
-    if cfg.algo.needs_analysis and cfg.analyzer.backend == "llm":
-        analyzer_tokens = B * Gs * cfg.analyzer.max_tokens
-        if analyzer_launched:
-            an_rate = decode_tok_s or decode_mfu * gpu_tflops * 1e12 / (2 * (an_N or N))
-            t_analysis = analyzer_tokens / (an_rate * max(len(analyzer_ids), 1))
-        else:
-            notes.append("analysis time: external analyzer endpoint, not estimated")
-    samples = B * Gs * S
-    sample_tokens = r.max_prompt_tokens + r.max_response_tokens
-    mode = cfg.algo.mode
-    skill_ctx = 0 if mode in ("grpo", "skill_grpo") else 2 if mode == "no_routing" else 1
-    ref = 1 if (t.use_reference and cfg.algo.kl_coef > 0) else 0
-    score_passes = 1 + skill_ctx + ref
-    score_flops = 2 * N * samples * sample_tokens * score_passes
-    train_flops = (8 if t.recompute == "full" else 6) * N * samples * sample_tokens * t.ppo_epochs
-    cluster_flops = max(world, 1) * gpu_tflops * 1e12 * mfu
-    t_score = score_flops / cluster_flops
-    t_train = train_flops / cluster_flops
-    sync_bytes = N * e
-    method = sync_method(cfg, gpu_cluster)
-    errors.extend(sync_problems(cfg, method, gpu_cluster, train_ids, groups))
-    if method == "disk" and nodes > 1:
-        notes.append("sync.method=disk with several nodes: sync.disk_dir (empty: the run directory) must be on a file "
-                     "system every node's servers see")
-    t_sync = sync_bytes * 8 / (sync_gbps * 1e9) * (2 if method == "disk" else 1)
-    t_offload = 2 * moments * 8 / (host_gbps * 1e9) if (colocated and d.offload_optimizer and gpu_cluster) else 0.0
-    sequential_t = t_rollout + t_analysis + t_score + t_train + t_sync + t_offload
-    # train.max_staleness >= 1 (opid_mega.pipeline): each stage below runs beside the others; the analyzer (its own
-    # GPUs) is a stage of its own, so an iteration takes the longest chain, not the sum
-    if t.max_staleness == 0:
-        total_t, overlap = sequential_t, "none (train.max_staleness=0): every phase after the other"
-    elif colocated:  # the next rollout before this iteration's scoring and update; only the analysis beside them
-        total_t = max(t_rollout + t_score + t_train + t_sync + t_offload, t_analysis)
-        overlap = (f"train.max_staleness={t.max_staleness}, colocated: the analysis beside the next rollout, scoring "
-                   "and training: max(rollout + scoring + training + sync + offload, analysis)")
-    else:  # the next rollout on the rollout GPUs beside this iteration's scoring and update, joined before the sync
-        total_t = max(max(t_rollout, t_score + t_train) + t_sync, t_analysis)
-        overlap = (f"train.max_staleness={t.max_staleness}, disaggregated: the next rollout beside scoring and "
-                   "training, the analysis beside both: max(max(rollout, scoring + training) + sync, analysis)")
-    time = dict(
-        rollout_tokens=rollout_tokens, decode_tok_s_per_gpu=round(per_gpu_decode, 1), rollout_gpus=rollout_gpus,
-        rollout_s=round(t_rollout, 2), analyzer_tokens=analyzer_tokens, analysis_s=round(t_analysis, 2),
-        step_samples=samples, sample_tokens=sample_tokens, scoring_passes=score_passes,
-        scoring_tflop=round(score_flops / 1e12, 1), scoring_s=round(t_score, 2),
-        training_tflop=round(train_flops / 1e12, 1), training_s=round(t_train, 2),
-        sync_method=method, sync_gb=round(sync_bytes / 1e9, 3), sync_s=round(t_sync, 2),
-        offload_s=round(t_offload, 2), sequential_s=round(sequential_t, 1), iteration_s=round(total_t, 1),
-        iterations=t.iterations, run_h=round(total_t * t.iterations / 3600, 2),
-    )
-    assumptions = {
-        "gpu memory": f"{gpu_mem_gib:g} GiB per GPU (--gpu-mem-gib)",
-        "model dtype": f"{cfg.model.dtype}: {e} bytes per weight (model.dtype)",
-        "gradients": "fp32 main-grad buffer, 4 bytes per parameter (megatron DDP, grad_reduce_in_fp32)",
-        "optimizer": (f"Adam: fp32 main weights (4 B, bf16/fp16 models only) + exp_avg + exp_avg_sq (4 B each) = "
-                      f"{opt_per_param} B per parameter, / DP={dp} with train.distributed_optimizer "
-                      f"({'on' if t.distributed_optimizer else 'off'}); Adam's step scalars ignored"),
-        "activations": (f"per layer and token {act['none']:.0f} B on a TP rank (Korthikanti et al. 2022, adapted: "
-                        "GQA, SwiGLU, RMSNorm, flash attention, no dropout), x micro_batch_tokens "
-                        f"{s} x {act_layers:g} layers in flight (1F1B: pp micro-batches; interleaved x (1+(pp-1)/(pp*vpp))); "
-                        f"train.recompute={t.recompute}; + log-prob head 2 x tokens x {LOGPROB_CHUNK}-column fp32 chunks"),
-        "fork scoring": (f"forward only, {score_tokens} tokens per micro-batch: one layer's working set + the K/V of "
-                         "the micro-batch (shared prefixes once) + the head chunk"),
-        "sglang": ("each server takes deploy.rollout_mem_fraction (analyzer: deploy.analyzer_mem_fraction) x the GPU "
-                   "memory free when it starts (SGLang's --mem-fraction-static; colocated: the GPU minus the trainer's "
-                   "resident weights, grads and fp32 master weights) for weights + KV cache; weights in model.dtype "
-                   "split over rollout_tp; analyzer in bf16 with TP = its GPUs"),
-        "placement": ("colocated: training phase: SGLang memory released (deploy.release_engine_memory); rollout phase: "
-                      "weights, grads and fp32 master weights stay, Adam's moments on the host "
-                      "(deploy.offload_optimizer)") if colocated else
-                     "disaggregated: servers on their own GPUs, training GPUs hold only Megatron",
-        "reference": "the frozen reference is a host-memory copy (ReferenceWeights), not on the GPU",
-        "rollout": (f"upper bound tasks_per_iter x group_size x max_steps x max_response_tokens = {B}x{Gs}x{S}x"
-                    f"{r.max_response_tokens}; decode {per_gpu_decode:.0f} tok/s per rollout GPU "
-                    + ("(--decode-tok-s)" if decode_tok_s else
-                       f"(--decode-mfu {decode_mfu:g} x {gpu_tflops:g} TFLOP/s / 2N)") + f" on {rollout_gpus} GPUs"),
-        "analysis": (f"one call per trajectory, analyzer.max_tokens={cfg.analyzer.max_tokens} tokens each (upper bound), "
-                     "same decode model on deploy.analyzer_gpus"),
-        "compute": (f"{gpu_tflops:g} TFLOP/s per GPU (--gpu-tflops, bf16 dense H100) at MFU {mfu:g} (--mfu) on "
-                    f"{world} training GPUs; scoring 2N FLOPs/token x {score_passes} passes (old policy"
-                    + (", skill context" if skill_ctx else "") + (", reference" if ref else "")
-                    + f"), training {'8' if t.recompute == 'full' else '6'}N FLOPs/token x ppo_epochs; tokens = "
-                    f"step-samples x (max_prompt + max_response), attention FLOPs ignored"),
-        "weight sync": (f"{sync_bytes / 1e9:.2f} GB (N x {e} B) per iteration at {sync_gbps:g} Gbit/s (--sync-gbps), "
-                        f"method {method}" + (" (written and read: x2)" if method == "disk" else "")),
-        "offload": (f"Adam's moments to host and back at {host_gbps:g} Gbit/s (--host-gbps)" if t_offload else
-                    "no optimizer offload"),
-        "phases": overlap,
-    }
-    return dict(
-        ok=not errors, errors=errors, notes=notes,
-        config=dict(model=a["name"], hf_config=hf_source, dtype=cfg.model.dtype, mode=d.mode, nodes=nodes,
-                    gpus_per_node=G, backend=p.backend),
-        layout=dict(tp=tp, pp=pp, vpp=vpp, sp=p.sequence_parallel, cp=p.cp, dp=dp, world=world,
-                    train_gpus_per_node=T, train_gpus=train_ids, rollout_groups=groups, rollout_tp=rtp,
-                    analyzer_gpus=analyzer_ids),
-        idle_gpus=idle_gpus if gpu_cluster else None,
-        params_total=N, per_gpu_gib=fullest["peak_gib"],
-        memory=memory, time=time, assumptions=assumptions,
-        node_lost_bound_s=node_lost_bound(cfg), control_timeout_s=control_timeout(cfg),
-    )
+    def iteration_time(self) -> None:
+        cfg, r, t, d, rates = self.cfg, self.cfg.rollout, self.cfg.train, self.cfg.deploy, self.rates
+        N, nodes = self.N, d.nodes
+        B, Gs, S = r.tasks_per_iter, r.group_size, cfg.env.max_steps
+        rollout_tokens = B * Gs * S * r.max_response_tokens
+        self.per_gpu_decode = rates["decode_tok_s"] or rates["decode_mfu"] * rates["gpu_tflops"] * 1e12 / (2 * N)
+        self.rollout_gpus = nodes * len(self.groups) * self.rtp if self.groups else 1
+        t_rollout = rollout_tokens / (self.per_gpu_decode * self.rollout_gpus)
+        t_analysis = 0.0
+        analyzer_tokens = 0
+        if cfg.algo.needs_analysis and cfg.analyzer.backend == "llm":
+            analyzer_tokens = B * Gs * cfg.analyzer.max_tokens
+            if self.analyzer_launched:
+                an_rate = rates["decode_tok_s"] or rates["decode_mfu"] * rates["gpu_tflops"] * 1e12 / (2 * (self.an_N or N))
+                t_analysis = analyzer_tokens / (an_rate * max(len(self.analyzer_ids), 1))
+            else:
+                self.notes.append("analysis time: external analyzer endpoint, not estimated")
+        samples = B * Gs * S
+        sample_tokens = r.max_prompt_tokens + r.max_response_tokens
+        mode = cfg.algo.mode
+        self.skill_ctx = 0 if mode in ("grpo", "skill_grpo") else 2 if mode == "no_routing" else 1
+        self.ref = 1 if (t.use_reference and cfg.algo.kl_coef > 0) else 0
+        self.score_passes = 1 + self.skill_ctx + self.ref
+        score_flops = 2 * N * samples * sample_tokens * self.score_passes
+        train_flops = (8 if t.recompute == "full" else 6) * N * samples * sample_tokens * t.ppo_epochs
+        cluster_flops = max(self.world, 1) * rates["gpu_tflops"] * 1e12 * rates["mfu"]
+        t_score = score_flops / cluster_flops
+        t_train = train_flops / cluster_flops
+        self.sync_bytes = N * self.e
+        self.method = sync_method(cfg, self.gpu_cluster)
+        self.errors.extend(sync_problems(cfg, self.method, self.gpu_cluster, self.train_ids, self.groups))
+        if self.method == "disk" and nodes > 1:
+            self.notes.append("sync.method=disk with several nodes: sync.disk_dir (empty: the run directory) must be "
+                              "on a file system every node's servers see")
+        t_sync = self.sync_bytes * 8 / (rates["sync_gbps"] * 1e9) * (2 if self.method == "disk" else 1)
+        self.t_offload = 2 * self.moments * 8 / (rates["host_gbps"] * 1e9) \
+            if (self.colocated and d.offload_optimizer and self.gpu_cluster) else 0.0
+        sequential_t = t_rollout + t_analysis + t_score + t_train + t_sync + self.t_offload
+        # train.max_staleness >= 1 (opid_mega.pipeline): each stage below runs beside the others; the analyzer (its
+        # own GPUs) is a stage of its own, so an iteration takes the longest chain, not the sum
+        if t.max_staleness == 0:
+            total_t, self.overlap = sequential_t, "none (train.max_staleness=0): every phase after the other"
+        elif self.colocated:  # the next rollout before this iteration's scoring and update; only the analysis beside
+            total_t = max(t_rollout + t_score + t_train + t_sync + self.t_offload, t_analysis)
+            self.overlap = (f"train.max_staleness={t.max_staleness}, colocated: the analysis beside the next rollout, "
+                            "scoring and training: max(rollout + scoring + training + sync + offload, analysis)")
+        else:  # the next rollout on the rollout GPUs beside this iteration's scoring and update, joined before sync
+            total_t = max(max(t_rollout, t_score + t_train) + t_sync, t_analysis)
+            self.overlap = (f"train.max_staleness={t.max_staleness}, disaggregated: the next rollout beside scoring "
+                            "and training, the analysis beside both: max(max(rollout, scoring + training) + sync, "
+                            "analysis)")
+        self.time = dict(
+            rollout_tokens=rollout_tokens, decode_tok_s_per_gpu=round(self.per_gpu_decode, 1),
+            rollout_gpus=self.rollout_gpus, rollout_s=round(t_rollout, 2), analyzer_tokens=analyzer_tokens,
+            analysis_s=round(t_analysis, 2), step_samples=samples, sample_tokens=sample_tokens,
+            scoring_passes=self.score_passes, scoring_tflop=round(score_flops / 1e12, 1), scoring_s=round(t_score, 2),
+            training_tflop=round(train_flops / 1e12, 1), training_s=round(t_train, 2),
+            sync_method=self.method, sync_gb=round(self.sync_bytes / 1e9, 3), sync_s=round(t_sync, 2),
+            offload_s=round(self.t_offload, 2), sequential_s=round(sequential_t, 1), iteration_s=round(total_t, 1),
+            iterations=t.iterations, run_h=round(total_t * t.iterations / 3600, 2),
+        )
+
+    def assumptions(self) -> dict:
+        cfg, r, t, rates, e, act = self.cfg, self.cfg.rollout, self.cfg.train, self.rates, self.e, self.act
+        B, Gs, S = r.tasks_per_iter, r.group_size, cfg.env.max_steps
+        return {
+            "gpu memory": f"{rates['gpu_mem_gib']:g} GiB per GPU (--gpu-mem-gib)",
+            "model dtype": f"{cfg.model.dtype}: {e} bytes per weight (model.dtype)",
+            "gradients": "fp32 main-grad buffer, 4 bytes per parameter (megatron DDP, grad_reduce_in_fp32)",
+            "optimizer": (f"Adam: fp32 main weights (4 B, bf16/fp16 models only) + exp_avg + exp_avg_sq (4 B each) = "
+                          f"{self.opt_per_param} B per parameter, / DP={self.dp} with train.distributed_optimizer "
+                          f"({'on' if t.distributed_optimizer else 'off'}); Adam's step scalars ignored"),
+            "activations": (f"per layer and token {act['none']:.0f} B on a TP rank (Korthikanti et al. 2022, adapted: "
+                            "GQA, SwiGLU, RMSNorm, flash attention, no dropout), x micro_batch_tokens "
+                            f"{t.micro_batch_tokens} x {self.act_layers:g} layers in flight (1F1B: pp micro-batches; "
+                            f"interleaved x (1+(pp-1)/(pp*vpp))); train.recompute={t.recompute}; + log-prob head 2 x "
+                            f"tokens x {LOGPROB_CHUNK}-column fp32 chunks"),
+            "fork scoring": (f"forward only, {self.score_tokens} tokens per micro-batch: one layer's working set + the "
+                             "K/V of the micro-batch (shared prefixes once) + the head chunk"),
+            "sglang": ("each server takes deploy.rollout_mem_fraction (analyzer: deploy.analyzer_mem_fraction) x the "
+                       "GPU memory free when it starts (SGLang's --mem-fraction-static; colocated: the GPU minus the "
+                       "trainer's resident weights, grads and fp32 master weights) for weights + KV cache; weights in "
+                       "model.dtype split over rollout_tp; analyzer in bf16 with TP = its GPUs"),
+            "placement": ("colocated: training phase: SGLang memory released (deploy.release_engine_memory); rollout "
+                          "phase: weights, grads and fp32 master weights stay, Adam's moments on the host "
+                          "(deploy.offload_optimizer)") if self.colocated else
+                         "disaggregated: servers on their own GPUs, training GPUs hold only Megatron",
+            "reference": "the frozen reference is a host-memory copy (ReferenceWeights), not on the GPU",
+            "rollout": (f"upper bound tasks_per_iter x group_size x max_steps x max_response_tokens = {B}x{Gs}x{S}x"
+                        f"{r.max_response_tokens}; decode {self.per_gpu_decode:.0f} tok/s per rollout GPU "
+                        + ("(--decode-tok-s)" if rates["decode_tok_s"] else
+                           f"(--decode-mfu {rates['decode_mfu']:g} x {rates['gpu_tflops']:g} TFLOP/s / 2N)")
+                        + f" on {self.rollout_gpus} GPUs"),
+            "analysis": (f"one call per trajectory, analyzer.max_tokens={cfg.analyzer.max_tokens} tokens each (upper "
+                         "bound), same decode model on deploy.analyzer_gpus"),
+            "compute": (f"{rates['gpu_tflops']:g} TFLOP/s per GPU (--gpu-tflops, bf16 dense H100) at MFU "
+                        f"{rates['mfu']:g} (--mfu) on {self.world} training GPUs; scoring 2N FLOPs/token x "
+                        f"{self.score_passes} passes (old policy" + (", skill context" if self.skill_ctx else "")
+                        + (", reference" if self.ref else "")
+                        + f"), training {'8' if t.recompute == 'full' else '6'}N FLOPs/token x ppo_epochs; tokens = "
+                        "step-samples x (max_prompt + max_response), attention FLOPs ignored"),
+            "weight sync": (f"{self.sync_bytes / 1e9:.2f} GB (N x {e} B) per iteration at {rates['sync_gbps']:g} "
+                            f"Gbit/s (--sync-gbps), method {self.method}"
+                            + (" (written and read: x2)" if self.method == "disk" else "")),
+            "offload": (f"Adam's moments to host and back at {rates['host_gbps']:g} Gbit/s (--host-gbps)"
+                        if self.t_offload else "no optimizer offload"),
+            "phases": self.overlap,
+        }
+
+    def result(self) -> dict:
+        cfg, p, d = self.cfg, self.cfg.parallel, self.cfg.deploy
+        return dict(
+            ok=not self.errors, errors=self.errors, notes=self.notes,
+            config=dict(model=self.a["name"], hf_config=self.hf_source, dtype=cfg.model.dtype, mode=d.mode,
+                        nodes=d.nodes, gpus_per_node=d.gpus_per_node, backend=p.backend),
+            layout=dict(tp=p.tp, pp=p.pp, vpp=p.vpp, sp=p.sequence_parallel, cp=p.cp, dp=self.dp, world=self.world,
+                        train_gpus_per_node=len(self.train_ids), train_gpus=self.train_ids,
+                        rollout_groups=self.groups, rollout_tp=self.rtp, analyzer_gpus=self.analyzer_ids),
+            idle_gpus=self.idle_gpus if self.gpu_cluster else None,
+            params_total=self.N, per_gpu_gib=self.fullest["peak_gib"],
+            memory=self.memory(), time=self.time, assumptions=self.assumptions(),
+            node_lost_bound_s=node_lost_bound(cfg), control_timeout_s=control_timeout(cfg),
+        )
 
 
 def sync_method(cfg: Config, gpu_cluster: bool) -> str:
