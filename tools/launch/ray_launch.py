@@ -20,7 +20,7 @@ Ranks are numbered node by node (rank = node * K + local rank), so the usual Meg
 TP group inside a node, exactly as under torchrun.
 
 SGLang engines. The engines of a node run on that node, as child processes of the node's trainers (opid-train
-launches them; today global rank 0 does, see ``deploy`` in ``opid_mega/config.py``), never as separate Ray actors:
+launches them; today global rank 0 does, see ``deploy`` in ``opid_mega/config/schema.py``), never as separate Ray actors:
 
 * GPU, ``deploy.mode: colocated``: the engines share the training GPUs the node's group already holds.
 * GPU, ``deploy.mode: disaggregated``: the node's group gets one more bundle, ``{"GPU": G}`` with G the engines'
