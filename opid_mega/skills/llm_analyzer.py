@@ -31,6 +31,8 @@ end past the call's deadline is not slept: the analysis ends at once as a deadli
 retried like that too (every other 4xx is final there). The `openai` client does the HTTP (auth header, SSE decoding, error types) with its own retries off: its
 policy (0.5 s x 2 capped at 8 s with jitter, transient statuses only, no empty-reply check) is not the reference's.
 
+The HTTP side (URL, Retry-After, the endpoint gate, a call's deadline, the streamed reply): opid_mega.skills.llm_transport.
+
 Timeouts that cannot starve: replies are streamed and a request is given up only when it makes no progress — no
 token for `stall_timeout_s` (the time to the first token included) — or when `timeout_s` (optional, a cap on the
 whole reply; off by default) or the call's deadline passes; never at a fixed time shorter than a healthy reply. A
@@ -66,12 +68,9 @@ deadline. `close()` does not wait for requests in flight (it aborts them on the 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import email.utils
 import hashlib
 import json
 import logging
-import math
 import threading
 import time
 import uuid
@@ -88,6 +87,8 @@ from opid_mega.skills.base import Analyzer
 from opid_mega.skills.parser import PARSER_RULES, parse_analysis
 from opid_mega.skills.prompts import build_analysis_prompt, build_reask_prompt
 from opid_mega.skills.sanitize import analysis_from_dict, clean_text, sanitize_analysis, sanitize_reply
+from opid_mega.skills.llm_transport import (Call, EmptyReply, Reply, Stalled, Stop, TransportError,
+                                           chat_completions_url, endpoint_gate, retry_after_s, short)
 from opid_mega.skills.types import Analysis, AnalysisParseError, TrajectoryView
 
 logger = logging.getLogger(__name__)
@@ -117,24 +118,8 @@ PROBE_PROMPT = "Reply with the single word: ready"
 PROBE_MAX_TOKENS = 16
 
 
-class TransportError(RuntimeError):
-    """The endpoint gave no usable reply after all attempts (or the call's deadline passed, or the analyzer closed)."""
-
-
 class AnalyzerUnavailable(RuntimeError):
     """The start-up probe failed: the message (one line) names the endpoint, the reason and the key to check."""
-
-
-class _Stop(Exception):
-    """Not retried: the call's deadline passed or the analyzer was closed (the message says which)."""
-
-
-class EmptyReply(RuntimeError):
-    """A complete reply without any text (content and reasoning both empty): a transport error, retried."""
-
-
-class Stalled(RuntimeError):
-    """No token for stall_timeout_s (or the whole reply past timeout_s): given up, aborted on the server, retried."""
 
 
 @dataclass
@@ -181,105 +166,6 @@ class AnalysisJob(Future):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[AnalysisRecord] = []
-
-
-def chat_completions_url(base_url: str) -> str:
-    """`http://h:p` / `http://h:p/v1` / a full `.../chat/completions` URL -> the chat completions URL."""
-    url = base_url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"LLMAnalyzer: base_url {base_url!r} must start with http:// or https://")
-    if url.endswith("/chat/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/chat/completions"
-    return url + "/v1/chat/completions"
-
-
-def retry_after_s(headers: Any, now: Optional[float] = None) -> Optional[float]:
-    """The seconds a reply asks the client to wait before retrying: `retry-after-ms` (OpenAI's), else `Retry-After`
-    as delay-seconds or an HTTP date (a date in the past: 0); None when neither is there or readable."""
-    if headers is None:
-        return None
-    ms = headers.get("retry-after-ms")
-    if ms:
-        try:
-            value = float(ms) / 1000.0
-            if math.isfinite(value) and value >= 0:
-                return value
-        except ValueError:
-            pass
-    text = (headers.get("retry-after") or "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-        return value if math.isfinite(value) and value >= 0 else None
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when is None:
-        return None
-    if when.tzinfo is None:  # an HTTP date is GMT
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-class _EndpointGate:
-    """The HTTP requests open to one endpoint over every LLMAnalyzer of the process (max_in_flight): a counting
-    semaphore whose limit each analyzer gives when it enters (0: counted, never waits)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.open = 0
-
-    def enter(self, limit: int, stop: threading.Event, call: "_Call") -> bool:
-        """Take a slot (waits while `limit` requests are open); True when it had to wait. Raises _Stop when the
-        call's deadline passes or the analyzer closes while waiting."""
-        waited = False
-        with self._cond:
-            while limit and self.open >= limit:
-                if stop.is_set():
-                    raise _Stop("analyzer closed")
-                left = call.left()
-                if left is not None and left <= 0:
-                    raise _Stop(call.deadline_failure())
-                waited = True
-                self._cond.wait(0.1 if left is None else min(0.1, left))
-            self.open += 1
-        return waited
-
-    def leave(self) -> None:
-        with self._cond:
-            self.open -= 1
-            self._cond.notify_all()
-
-
-_GATES: dict[str, _EndpointGate] = {}
-_GATES_LOCK = threading.Lock()
-
-
-def endpoint_gate(base_url: str) -> _EndpointGate:
-    """The process's one gate of the endpoint `base_url` (the `.../v1` form)."""
-    with _GATES_LOCK:
-        return _GATES.setdefault(base_url, _EndpointGate())
-
-
-class _Call:
-    """State shared by the trajectories of one analyze() call."""
-
-    def __init__(self, deadline_s: Optional[float] = None) -> None:
-        self.deadline_s = deadline_s
-        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        self.abandoned = threading.Event()  # the deadline passed: late results are no longer used
-
-    def left(self) -> Optional[float]:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def deadline_failure(self) -> str:
-        return f"deadline: analyzer.deadline_s={self.deadline_s:g} s passed before this analysis was done"
 
 
 class LLMAnalyzer(Analyzer):
@@ -346,7 +232,7 @@ class LLMAnalyzer(Analyzer):
         # openai's own retries are off: the loop in _chat is the reference's policy (see the module docstring)
         self._client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
         self._http = httpx.Client(headers={"Authorization": f"Bearer {self.api_key}"}, timeout=5.0)  # abort, info
-        self._inflight: dict[str, _Call] = {}  # rid -> its call
+        self._inflight: dict[str, Call] = {}  # rid -> its call
 
         self._cache_enabled = bool(cache)
         self._cache: dict[str, Analysis] = {}
@@ -388,7 +274,7 @@ class LLMAnalyzer(Analyzer):
             self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="llm-analyzer-job")
         job = AnalysisJob()
         trajs = list(trajs)
-        call = _Call(deadline_s)  # the deadline runs from now, not from when the job thread starts
+        call = Call(deadline_s)  # the deadline runs from now, not from when the job thread starts
 
         def run() -> None:
             if not job.set_running_or_notify_cancel():
@@ -405,14 +291,14 @@ class LLMAnalyzer(Analyzer):
         return job
 
     def analyze_records(self, trajs: Sequence[TrajectoryView], iteration: Optional[int] = None,
-                        deadline_s: Optional[float] = None, call: Optional[_Call] = None) -> list[AnalysisRecord]:
+                        deadline_s: Optional[float] = None, call: Optional[Call] = None) -> list[AnalysisRecord]:
         """One AnalysisRecord per trajectory, in order (the analysis is `record.analysis`). `deadline_s`: see the
         module docstring."""
         if self._stop.is_set():
             raise RuntimeError("LLMAnalyzer is closed")
         if deadline_s is not None and not 0 < deadline_s < float("inf"):
             raise ValueError(f"LLMAnalyzer: deadline_s={deadline_s!r} must be a finite number > 0 (or None)")
-        call = call or _Call(deadline_s)
+        call = call or Call(deadline_s)
         records: list[Optional[AnalysisRecord]] = [None] * len(trajs)
         groups: dict[str, list[int]] = {}  # cache key -> indices of trajectories with that prompt
         prompts: dict[str, str] = {}
@@ -508,7 +394,7 @@ class LLMAnalyzer(Analyzer):
     # ------------------------------------------------------------------------------------------------------------
     # One trajectory
     # ------------------------------------------------------------------------------------------------------------
-    def _analyze_one(self, traj_id: str, prompt: str, n_steps: int, key: str, call: _Call) -> AnalysisRecord:
+    def _analyze_one(self, traj_id: str, prompt: str, n_steps: int, key: str, call: Call) -> AnalysisRecord:
         rec = AnalysisRecord(traj_id=traj_id, prompt=prompt)
         t0 = time.perf_counter()
         try:
@@ -547,7 +433,7 @@ class LLMAnalyzer(Analyzer):
         key = self.api_key
         return text.replace(key, "***") if key and key != "EMPTY" and len(key) >= 6 else text
 
-    def _request_and_parse(self, prompt: str, n_steps: int, call: _Call, rec: AnalysisRecord) -> Analysis:
+    def _request_and_parse(self, prompt: str, n_steps: int, call: Call, rec: AnalysisRecord) -> Analysis:
         candidates = range(n_steps)
         # untrusted text: cleaned and capped at the boundary
         answer = sanitize_reply(self._chat(prompt, call, rec).text())
@@ -576,7 +462,7 @@ class LLMAnalyzer(Analyzer):
         AnalyzerUnavailable with one line naming the endpoint, the reason and the config key to check."""
         if self.sglang is None:
             self.sglang = self._looks_like_sglang()
-        call, rec = _Call(None), AnalysisRecord(traj_id="probe", prompt=PROBE_PROMPT)
+        call, rec = Call(None), AnalysisRecord(traj_id="probe", prompt=PROBE_PROMPT)
         t0 = time.monotonic()
         try:
             reply = self._chat(PROBE_PROMPT, call, rec, max_tokens=max_tokens, final_4xx=True)
@@ -584,7 +470,7 @@ class LLMAnalyzer(Analyzer):
             raise AnalyzerUnavailable(self._probe_status_message(e)) from None
         except TransportError as e:
             raise AnalyzerUnavailable(f"analyzer: no usable reply from {self.base_url} for model {self.model!r} "
-                                      f"({self._scrub(_short(e, 300))}): check analyzer.base_url and that the server "
+                                      f"({self._scrub(short(e, 300))}): check analyzer.base_url and that the server "
                                       "is up") from None
         seconds = time.monotonic() - t0
         rate = None
@@ -603,7 +489,7 @@ class LLMAnalyzer(Analyzer):
 
     def _probe_status_message(self, e: "openai.APIStatusError") -> str:
         status = e.status_code
-        detail = self._scrub(_short(getattr(e, "message", e), 200))
+        detail = self._scrub(short(getattr(e, "message", e), 200))
         if status in (401, 403):
             return (f"analyzer: {self.base_url} refused the API key (HTTP {status}: {detail}): check analyzer.api_key "
                     "or the environment variable analyzer.api_key_env names")
@@ -623,9 +509,9 @@ class LLMAnalyzer(Analyzer):
         """The wait before retry `retry` (1-based): backoff_s x 2^(retry-1), capped at backoff_max_s."""
         return min(self.backoff_max_s, self.backoff_s * (2.0 ** min(retry - 1, 64)))  # no float overflow
 
-    def _chat(self, prompt: str, call: _Call, rec: AnalysisRecord, max_tokens: Optional[int] = None,
-              final_4xx: bool = False) -> "_Reply":
-        """One completion's text (as _Reply) after at most 1 + max_retries attempts; TransportError after the last
+    def _chat(self, prompt: str, call: Call, rec: AnalysisRecord, max_tokens: Optional[int] = None,
+              final_4xx: bool = False) -> "Reply":
+        """One completion's text (as Reply) after at most 1 + max_retries attempts; TransportError after the last
         one fails, or when the call's deadline passes / the analyzer closes. `final_4xx` (the probe): an HTTP 4xx
         is raised at once (openai.APIStatusError)."""
         response_format = None if self._format_rejected else self.response_format
@@ -643,7 +529,7 @@ class LLMAnalyzer(Analyzer):
             rec.attempts += 1
             try:
                 reply = self._request(prompt, call, response_format, max_tokens or self.max_tokens)
-            except _Stop as e:
+            except Stop as e:
                 raise TransportError(str(e)) from None
             except openai.APIStatusError as e:
                 if e.status_code in (400, 422) and response_format is not None and not tried_without_format:
@@ -654,7 +540,7 @@ class LLMAnalyzer(Analyzer):
                     continue
                 if final_4xx and 400 <= e.status_code < 500 and e.status_code != 429:
                     raise
-                error = f"HTTP {e.status_code}: {_short(getattr(e, 'message', e))}"
+                error = f"HTTP {e.status_code}: {short(getattr(e, 'message', e))}"
                 if e.status_code in RETRY_AFTER_STATUSES:
                     wait_hint = retry_after_s(getattr(getattr(e, "response", None), "headers", None))
             except Exception as e:  # noqa: BLE001 - the reference retries every exception
@@ -662,7 +548,7 @@ class LLMAnalyzer(Analyzer):
                     self._count("empty_replies")
                 elif isinstance(e, Stalled):
                     self._count("stalls")
-                error = f"{type(e).__name__}: {_short(e)}"
+                error = f"{type(e).__name__}: {short(e)}"
             else:
                 if tried_without_format and not self._format_rejected:
                     with self._lock:
@@ -687,8 +573,8 @@ class LLMAnalyzer(Analyzer):
             if self._stop.wait(delay if left is None else max(0.0, min(delay, left))):
                 raise TransportError("analyzer closed")
 
-    def _request(self, prompt: str, call: _Call, response_format: Optional[str], max_tokens: int) -> "_Reply":
-        """One streamed chat completion. Raises _Stop (deadline / closed), Stalled (no progress), EmptyReply, or
+    def _request(self, prompt: str, call: Call, response_format: Optional[str], max_tokens: int) -> "Reply":
+        """One streamed chat completion. Raises Stop (deadline / closed), Stalled (no progress), EmptyReply, or
         whatever the transport raised; a request given up after it was sent is aborted on the server."""
         rid = f"opid-analyzer-{uuid.uuid4().hex}" if self.sglang else None
         kwargs: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
@@ -706,7 +592,7 @@ class LLMAnalyzer(Analyzer):
         finally:
             self._gate.leave()
 
-    def _send(self, kwargs: dict, rid: Optional[str], call: _Call) -> "_Reply":
+    def _send(self, kwargs: dict, rid: Optional[str], call: Call) -> "Reply":
         """The request of _request, sent and read (its slot of the endpoint held)."""
         t0 = time.monotonic()
         read_s = self.stall_timeout_s if self.timeout_s is None else min(self.stall_timeout_s, self.timeout_s)
@@ -714,7 +600,7 @@ class LLMAnalyzer(Analyzer):
         if left is not None:
             read_s = max(0.01, min(read_s, left))
         timeout = httpx.Timeout(read_s, connect=min(self.connect_timeout_s, read_s))
-        reply = _Reply()
+        reply = Reply()
         completed = False
         self._track(rid, call)
         try:
@@ -748,7 +634,7 @@ class LLMAnalyzer(Analyzer):
             raise EmptyReply(f"empty reply (finish_reason={reply.finish_reason})")
         return reply
 
-    def _give_up(self, call: _Call, t0: float, last: float, now: float, timed_out: bool = False) -> Optional[str]:
+    def _give_up(self, call: Call, t0: float, last: float, now: float, timed_out: bool = False) -> Optional[str]:
         """Why to stop reading a reply now (None: go on). `timed_out`: a socket read timed out."""
         if self._stop.is_set():
             return "closed"
@@ -761,21 +647,21 @@ class LLMAnalyzer(Analyzer):
             return "stall"
         return None
 
-    def _stopped(self, why: Optional[str], call: _Call):
+    def _stopped(self, why: Optional[str], call: Call):
         if why == "closed":
-            raise _Stop("analyzer closed")
+            raise Stop("analyzer closed")
         if why == "deadline":
-            raise _Stop(call.deadline_failure())
+            raise Stop(call.deadline_failure())
         if why == "timeout":
             raise Stalled(f"the reply was not complete after analyzer.timeout_s={self.timeout_s:g} s")
         raise Stalled(f"no token for analyzer.stall_timeout_s={self.stall_timeout_s:g} s")
 
-    def _track(self, rid: Optional[str], call: _Call) -> None:
+    def _track(self, rid: Optional[str], call: Call) -> None:
         if rid:
             with self._lock:
                 self._inflight[rid] = call
 
-    def _untrack(self, rid: Optional[str], call: _Call) -> bool:
+    def _untrack(self, rid: Optional[str], call: Call) -> bool:
         """Whether `rid` was still in flight (not claimed by _abort_in_flight)."""
         if not rid:
             return False
@@ -788,9 +674,9 @@ class LLMAnalyzer(Analyzer):
         try:
             self._http.post(self.server_root + "/abort_request", json={"rid": rid}, timeout=5.0)
         except Exception as e:  # noqa: BLE001 - best effort: a dead server runs nothing anyway
-            logger.debug("LLM analyzer: abort of %s failed: %s", rid, _short(e))
+            logger.debug("LLM analyzer: abort of %s failed: %s", rid, short(e))
 
-    def _abort_in_flight(self, call: Optional[_Call], then_close: bool = False) -> None:
+    def _abort_in_flight(self, call: Optional[Call], then_close: bool = False) -> None:
         """Abort (in a background thread) the requests in flight of `call` (None: all of them)."""
         with self._lock:  # claimed: their workers do not abort them again
             rids = [r for r, c in self._inflight.items() if call is None or c is call]
@@ -869,63 +755,6 @@ class LLMAnalyzer(Analyzer):
             logger.exception("writing the analysis audit record failed")
 
 
-class _Reply:
-    """A streamed (or whole) completion as it arrives: content and reasoning pieces, their timing."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.finish_reason: Optional[str] = None
-        self.tokens = 0  # pieces with text
-        self.first_token_s: Optional[float] = None
-        self.last_token_s: Optional[float] = None
-
-    def _add(self, content: Any, reasoning: Any, at: float) -> bool:
-        got = False
-        if isinstance(content, str) and content:
-            self.content.append(content)
-            got = True
-        if isinstance(reasoning, str) and reasoning:
-            self.reasoning.append(reasoning)
-            got = True
-        if got:
-            self.tokens += 1
-            self.first_token_s = at if self.first_token_s is None else self.first_token_s
-            self.last_token_s = at
-        return got
-
-    def take_chunk(self, chunk: Any, at: float) -> bool:
-        """One SSE chunk; True when it carried text (progress)."""
-        got = False
-        for choice in getattr(chunk, "choices", None) or ():
-            delta = getattr(choice, "delta", None)
-            got |= self._add(getattr(delta, "content", None), getattr(delta, "reasoning_content", None), at)
-            if getattr(choice, "finish_reason", None):
-                self.finish_reason = choice.finish_reason
-        return got
-
-    def take_message(self, body: Any, at: float) -> None:
-        """A whole (non-streamed) chat completion body."""
-        try:
-            choice = body["choices"][0]
-            msg = choice["message"]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError(f"no choices[0].message in {_short(body)!r}") from None
-        if not isinstance(msg, dict):
-            raise ValueError(f"choices[0].message is {type(msg).__name__}, not an object")
-        self._add(msg.get("content"), msg.get("reasoning_content"), at)
-        self.finish_reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-
-    def text(self) -> str:
-        """The text parsed (the reference's): the reasoning content, a newline, then the content."""
-        return "".join(self.reasoning) + "\n" + "".join(self.content)
-
-
 def _copy(a: Optional[Analysis]) -> Optional[Analysis]:
     """Each trajectory gets its own Analysis object (callers may edit theirs)."""
     return None if a is None else dataclasses.replace(a, step_skills=dict(a.step_skills))
-
-
-def _short(obj: Any, n: int = 200) -> str:
-    text = " ".join(str(obj).split())
-    return text if len(text) <= n else text[:n] + "..."

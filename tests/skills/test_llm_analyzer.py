@@ -20,8 +20,8 @@ import pytest
 
 from opid_mega.skills import Analysis, TrajectoryView, build_analysis_prompt
 from opid_mega.skills.audit import AuditLog, read_audit
-from opid_mega.skills.llm_analyzer import (AnalysisJob, AnalyzerUnavailable, LLMAnalyzer, chat_completions_url,
-                                            retry_after_s)
+from opid_mega.skills.llm_analyzer import AnalysisJob, AnalyzerUnavailable, LLMAnalyzer
+from opid_mega.skills.llm_transport import chat_completions_url, retry_after_s
 
 GOOD = json.dumps({"episode_summary": "Found the apple and put it in the fridge.",
                    "episode_skill": "Locate the object, take it, then open the target receptacle and put it in.",
