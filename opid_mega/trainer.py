@@ -215,6 +215,7 @@ class Trainer:
             self.sync_weights(self.start)
         # the resolved config (secrets emptied) goes to TensorBoard (text + hparams) and W&B (wandb.init(config=))
         self.log = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                                 desc=cfg.algo.mode,  # the progress bar names the run's mode (grpo, opid, ...)
                                  total=cfg.train.iterations, resume_step=self.start if resume else None,
                                  config=redacted(cfg), wandb=wandb_settings(cfg.logging, self.run_dir)) \
             if self.rank0 else None

@@ -118,12 +118,13 @@ class _CrashingEnv:
         raise RuntimeError("simulator crashed")
 
 
-def test_crashing_env_then_dying_engine(tiny_cfg, tmp_path):
+def test_crashing_env_then_dying_engine(tiny_cfg, tmp_path, monkeypatch, capsys):
     """Iteration 1: one env raises -> only its trajectory ends (marked failed), the run goes on and checkpoints.
-    Iteration 2: the engine dies -> a clear error naming the last checkpoint."""
+    Iteration 2: the engine dies -> a clear error naming the last checkpoint. The progress lines name the mode."""
     from opid_mega.metrics import read_metrics
 
-    cfg = tiny_cfg("train.iterations=2", "algo.mode=grpo")
+    monkeypatch.setenv("OPID_PROGRESS", "lines")
+    cfg = tiny_cfg("train.iterations=2", "algo.mode=grpo", "logging.progress=true")
     tr = Trainer(cfg, str(tmp_path))
     make_env, made = tr.loop.env_factory, []
 
@@ -148,4 +149,6 @@ def test_crashing_env_then_dying_engine(tiny_cfg, tmp_path):
     assert (tmp_path / "checkpoints" / "step_1").is_dir()
     (m1,) = read_metrics(tmp_path)
     assert m1["step"] == 1 and m1["rollout/env_errors"] == 1
+    progress = [ln for ln in capsys.readouterr().out.splitlines() if "1/2 [" in ln]
+    assert progress and all(ln.startswith("grpo 1/2 [") for ln in progress), progress  # not "opid" in a GRPO run
     assert m1["train/step_samples"] >= 1 and m1["ppo/loss"] is not None
