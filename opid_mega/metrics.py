@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tensorboard"
@@ -335,7 +335,3 @@ class MetricsLogger:
         self.close()
 
 
-def mean_of(values: Iterable[float]) -> Optional[float]:
-    """Mean of the finite values, None when there are none (written as null)."""
-    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return sum(xs) / len(xs) if xs else None

@@ -75,11 +75,6 @@ def unregister_group(pgid: int) -> None:
         _groups.pop(int(pgid), None)
 
 
-def registered_groups() -> dict[int, str]:
-    with _lock:
-        return dict(_groups)
-
-
 def stopping() -> bool:
     """True once stop_all() ran: a launcher must not start anything new (and a wait for a server gives up)."""
     return _stopping.is_set()

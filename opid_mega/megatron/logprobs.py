@@ -251,24 +251,6 @@ def pad_batch(b: PackedBatch, length: int) -> PackedBatch:
     return PackedBatch(ids, pos, cu, b.score_rows, b.score_targets, b.scored_per_seq, br, b.extras, b.pairs)
 
 
-def greedy_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, order-preserving split of sequences into consecutive groups of at most ``max_tokens`` tokens (a longer
-    sequence gets a group of its own). A planner only: ``train_step.mini_batches`` splits a rollout into optimizer
-    steps with it; micro-batches are packed by :func:`plain_batches`."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    out, cur, used = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > max_tokens:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        out.append(cur)
-    return out
-
-
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -21,14 +21,6 @@ def _megatron(hf_dir, tp=1, pp=1):
 
 
 # ---------------------------------------------------------------- pure helpers (no process group needed)
-def test_greedy_micro_batches_respect_budget_and_order():
-    from opid_mega.megatron.logprobs import greedy_micro_batches
-
-    assert greedy_micro_batches([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
-    with pytest.raises(ValueError, match="max_tokens"):
-        greedy_micro_batches([1], 0)
-
-
 def test_plain_batches_rows_values_sample_order_and_padding():
     """plain_batches (the batch builder's plain layout): rows, targets and positions of each packed sequence, the
     Samples' values scattered to their rows (a key only when every sample has it; loss_mask ones by default), and
