@@ -8,7 +8,7 @@ cost? (docs/experiments.md "Mechanism experiment v4"; versions 1-3: tools/mechan
     python tools/mechanism_v4.py report [--out DIR]             # results.{json,md}, curves.png, records/
 
 What version 3 taught, and what changes here:
-  * no gate that stops the experiment: the budget is the main job's (configs/footprints_cpu.yaml: 80 iterations of
+  * no gate that stops the experiment: the budget is the main job's (configs/footprints_cpu.yaml: 100 iterations of
     4 tasks x 8 from a pool of 2,000 training games), where GRPO's own gain was measured on the VALID split with
     seeds that are never reported (the pilot); every arm runs and is reported whatever comes out;
   * fresh seeds (101-108) and the TEST split (all 256 held-out games at every evaluation) for the results; every
@@ -54,6 +54,7 @@ DOCS = ROOT / "docs" / "mechanism_v4"
 PILOT, DESIGN = DOCS / "pilot.json", DOCS / "design.json"
 RESULTS, RESULTS_MD, FIGURE, RECORDS = DOCS / "results.json", DOCS / "results.md", DOCS / "curves.png", DOCS / "records"
 SEEDS = tuple(range(101, 109))
+ITERATIONS = 100  # the main job's budget (configs/footprints_cpu.yaml), evaluated every 20 iterations
 ANALYZER = "opid_mega.skills.hindsight:FootprintsHindsightAnalyzer"
 REPLY_FAULTS = {"empty_rate": 0.05, "malformed_rate": 0.05}
 STANDIN_KEY_ENV = "OPID_V4_STANDIN_KEY"  # the stand-in checks no key; the client sends one
@@ -132,8 +133,8 @@ def cmd_pilot(runs: Sequence[Path]) -> dict:
         if len(parts) < 4 or not (run / "metrics.jsonl").exists():
             raise SystemExit(f"pilot: {run} is not a finished pilot run named v_s<seed>_<path>_<arm>")
         records = read_metrics(run)
-        if not any(r.get("step") == 80 and r.get(PRIMARY) is not None for r in records):
-            raise SystemExit(f"pilot: {run} has no evaluation after iteration 80")
+        if not any(r.get("step") == ITERATIONS and r.get(PRIMARY) is not None for r in records):
+            raise SystemExit(f"pilot: {run} has no evaluation after iteration {ITERATIONS}")
         by.setdefault(parts[3], {})[f"{parts[1]}_{parts[2]}"] = endpoints(records)
     grpo, opid = by.get("grpo", {}), by.get("cap1", {})
     gains = {k: v["door"]["last"] - v["door"]["first"] for k, v in grpo.items()}
@@ -169,12 +170,13 @@ def design() -> dict:
         "standin": {"analyzer": ANALYZER, "reply_faults": REPLY_FAULTS, "overrides": STANDIN_OVERRIDES,
                     "seeding": "the analyzer's and the faults' seed is the run's seed"},
         "seeds": list(SEEDS), "schedule": "interleaved by seed: for each seed every arm, in the order above",
-        "budget": {"iterations": 80, "tasks_per_iteration": 4, "group_size": 8, "rollouts": 2560,
-                   "evaluation": "iterations 0, 20, 40, 60, 80; 256 test games, temperature 0.4, no skills",
+        "budget": {"iterations": ITERATIONS, "tasks_per_iteration": 4, "group_size": 8, "rollouts": 32 * ITERATIONS,
+                   "evaluation": "iterations 0, 20, 40, 60, 80, 100; 256 test games, temperature 0.4, no skills",
                    "sized_from": "the pilot (docs/mechanism_v4/pilot.json): valid split, seeds 11-13, native and "
-                                 "AVX2 paths"},
+                                 "AVX2 paths, GRPO and OPID (skill_share_cap 1)"},
         "pilot": json.loads(PILOT.read_text()),
-        "endpoints": {"primary": "held-out door accuracy AUC over iterations 0-80 (trapezoid / 80), paired by seed",
+        "endpoints": {"primary": f"held-out door accuracy AUC over iterations 0-{ITERATIONS} (trapezoid / {ITERATIONS}), "
+                                 "paired by seed",
                       "secondary": ["held-out success AUC", "final door accuracy and success", "largest KL",
                                     "skill share", "analysis failure rate"]},
         "tests": {name: {"arm": a, "baseline": b, "test": "one-sided paired t (H1: arm > baseline), alpha 0.05; the "
