@@ -129,12 +129,16 @@ def test_ray_launcher_on_stock_hosts_completes(tmp_path):
     set-up (opid_mega.infra.hosts.set_socket_ifname): before, gloo took the host name's 127.0.1.1 and the run
     ended in a traceback."""
     pytest.importorskip("ray")
+    import secrets
     import shutil
     import tempfile
 
     run = tmp_path / "run"
     temps = [tempfile.mkdtemp(prefix=f"ray{k}-", dir="/tmp") for k in (0, 1)]  # short: Ray's socket paths
-    env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    token = tmp_path / "ray_token"  # recent Ray turns token auth on whenever ~/.ray/auth_token exists: say it
+    token.write_text(secrets.token_hex(32))
+    env = {**BASE_ENV, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token)}
     t0 = time.monotonic()
     try:
         with cluster_sim.Cluster(2, interface_env=False) as c:

@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from opid_mega import trainer
+from opid_mega import pipeline
 
-_play = trainer.play
+_play = pipeline.play
 
 
 _calls = [0]
@@ -26,7 +26,7 @@ def slow_play(*args, **kwargs):
     return _play(*args, **kwargs)
 
 
-trainer.play = slow_play
+pipeline.play = slow_play  # the rollout stage looks play up in its module at call time
 
 if os.environ.get("OPID_TEST_TRAIN_DELAY_S"):
     import torch.distributed as dist

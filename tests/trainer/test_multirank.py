@@ -76,7 +76,8 @@ def test_divergence_signal_and_distillation_tp2pp2_match_single_process(tmp_path
 
     args = TINY + ["train.iterations=1", "train.save_interval=0", "train.mini_batch_size=16", "algo.mode=no_routing",
                    "algo.delta=topk_kl", "algo.delta_topk=8", "algo.distill_coef=0.5", "algo.lambda_episode=0.1",
-                   "algo.lambda_step=0.1"]
+                   "algo.lambda_step=0.1",
+            "algo.skill_share_cap=null"]  # the reference's uncapped skill term: tied groups keep it, so it is compared
     multi, single = tmp_path / "tp2pp2", tmp_path / "tp1"
     _train_side_by_side(("tiny_cpu_tp2pp2.yaml", multi, args, 4), ("tiny_cpu.yaml", single, args))
     (m,), (s,) = read_metrics(multi), read_metrics(single)

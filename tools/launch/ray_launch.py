@@ -155,7 +155,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ray.init(address="local", num_cpus=max(available_cores(), int(per * args.nodes * k + 0.999)),
                  include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=True)
     else:
-        ray.init(address=args.address, log_to_driver=True)
+        try:
+            ray.init(address=args.address, log_to_driver=True)
+        except Exception as e:  # Ray >= 2.52: a cluster started with a token refuses a driver without one
+            if "token" in str(e).lower() or type(e).__name__ == "AuthenticationError":
+                sys.exit(f"ray_launch.py: the Ray cluster at {args.address} wants an authentication token: run with "
+                         f"RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
+            raise
     print(f"ray_launch.py: Ray {ray.__version__} {'started locally' if local else 'at ' + args.address} "
           f"in {time.monotonic() - t0:.1f} s; cluster: {ray.cluster_resources()}", file=sys.stderr, flush=True)
     groups, actors = [], []
