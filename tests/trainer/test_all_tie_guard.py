@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "footprints_cpu.yaml")
 ALL_TIE = [
     "env.options.success_reward=0", "algo.invalid_penalty=0", "algo.skill_source=shuffled", "train.lr=1e-3",
+    "algo.kl_coef=0.01",  # the sequence as measured, whatever the main job's KL weight
     "train.iterations=4", "eval.interval=4", "env.eval_split=valid", "eval.num_tasks=64", "train.save_interval=0",
     "logging.progress=false", "logging.tensorboard=false",
 ]
