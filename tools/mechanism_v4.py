@@ -173,7 +173,9 @@ def design() -> dict:
         "budget": {"iterations": ITERATIONS, "tasks_per_iteration": 4, "group_size": 8, "rollouts": 32 * ITERATIONS,
                    "evaluation": "iterations 0, 20, 40, 60, 80, 100; 256 test games, temperature 0.4, no skills",
                    "sized_from": "the pilot (docs/mechanism_v4/pilot.json): valid split, seeds 11-13, native and "
-                                 "AVX2 paths, GRPO and OPID (skill_share_cap 1)"},
+                                 "AVX2 paths, GRPO and OPID (skill_share_cap 1) at kl_coef 0.01; the config's "
+                                 "kl_coef 0.05 was chosen after it, on the same split "
+                                 "(docs/main_job/selection)"},
         "pilot": json.loads(PILOT.read_text()),
         "endpoints": {"primary": f"held-out door accuracy AUC over iterations 0-{ITERATIONS} (trapezoid / {ITERATIONS}), "
                                  "paired by seed",
