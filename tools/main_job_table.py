@@ -132,7 +132,8 @@ def collect(out: Path) -> dict:
 
 
 def markdown(runs: dict) -> str:
-    lines = ["| arm | seed | path | held-out success at 0 / 20 / 40 / 60 / 80 | gain | worst dip | door accuracy gain "
+    steps = next((" / ".join(str(i) for i, _ in r["curve"]) for rs in runs.values() for r in rs), "")
+    lines = [f"| arm | seed | path | held-out success at iterations {steps} | gain | worst dip | door accuracy gain "
              "| max KL | wall s | bounds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in runs.items():
         for r in rs:
