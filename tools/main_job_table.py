@@ -161,8 +161,10 @@ def cmd_report(out: Path) -> dict:
     records.mkdir(parents=True, exist_ok=True)
     for arm, rs in runs.items():
         for r in rs:
-            with gzip.open(records / f"{arm}_{r['path']}_seed{r['seed']}.jsonl.gz", "wt", compresslevel=9) as f:
-                f.writelines(json.dumps(x) + "\n" for x in r["records"])
+            text = "".join(json.dumps(x) + "\n" for x in r["records"]).encode()
+            with open(records / f"{arm}_{r['path']}_seed{r['seed']}.jsonl.gz", "wb") as raw, \
+                    gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:  # the same bytes every time
+                f.write(text)
     result = {"config": CONFIG, "bounds": {"rise": RISE, "dip": DIP, "metric": METRIC}, "reported_utc": utc(),
               "command": "python tools/main_job_table.py run && python tools/main_job_table.py report",
               "summary": {arm: summary(rs) for arm, rs in runs.items()},
