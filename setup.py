@@ -32,15 +32,18 @@ if build_ext is not None:
         """build_ext that never fails the install: a compile or link error prints one warning and builds nothing."""
 
         def run(self):
+            self._failed = False
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - CompileError, LinkError, a missing compiler (PlatformError ...)
-                _warn(f"{type(exc).__name__}: {exc}")
+                if not self._failed:  # after a failed build, newer setuptools also fails to copy it in place: said
+                    _warn(f"{type(exc).__name__}: {exc}")
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as exc:  # noqa: BLE001
+                self._failed = True
                 _warn(f"{type(exc).__name__}: {exc}")
 
 
