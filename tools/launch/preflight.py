@@ -17,6 +17,7 @@ gives a torchrun rank.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -62,6 +63,10 @@ def layout_error(cfg, world: int) -> Optional[str]:
 
 
 def visible_gpus() -> int:
+    """CUDA devices this process sees. Without a GPU driver's device files (NVIDIA's /dev/nvidiactl, ROCm's /dev/kfd)
+    torch can see none: 0 without importing torch (seconds of the launch's start on a CPU machine)."""
+    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
+        return 0
     try:
         import torch
 
@@ -97,8 +102,6 @@ def model_problem(cfg) -> Optional[str]:
     """model.path given as a local directory (absolute, ./, ../ or ~) must exist here and hold an HF model: its
     config.json and a tokenizer (tokenizer.json, tokenizer.model or tokenizer_config.json). A hub name or a built-in
     model (no path) is not checked here. None: fine."""
-    import os
-
     path = str(cfg.model.path or "")
     if not path or not (os.path.isabs(path) or path.startswith(("./", "../", "~"))):
         return None
