@@ -6,7 +6,8 @@ costs nothing, so every score is 0 and A_out = 0 everywhere) and the skills carr
 optimizer step trains on λΔ alone, Adam turns it into full-size steps, and in 4 iterations the policy stops opening the
 right door on held-out games (measured: first-door accuracy 0.328 -> 0.000, KL to the reference 1.5 by iteration 8).
 With algo.skill_share_cap the tied groups train on nothing but the KL and entropy terms, as in GRPO, and the held-out
-policy holds (0.328 -> 0.266). The held-out number is one evaluation of 64 valid games at temperature 0.4.
+policy holds (0.328 -> 0.266). The held-out number is one evaluation of 64 valid games at temperature 0.4. The two runs
+are independent: they run side by side, a core each.
 """
 import json
 import os
@@ -26,21 +27,37 @@ ALL_TIE = [
 ]
 
 
-def _run(tmp_path, cap: str) -> list:
-    run = tmp_path / f"cap_{cap}"
-    r = subprocess.run([sys.executable, "-c", "import sys; import opid_mega.cli as c; sys.exit(c.train_main())",
-                        "--config", CONFIG, "--run-dir", str(run), *ALL_TIE, f"algo.skill_share_cap={cap}"],
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=900,
-                       cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    warned = "algo.skill_share_cap=null" in r.stderr
-    assert warned == (cap == "null"), r.stderr[-2000:]  # the one-line warning names the collapse regime
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _runs(tmp_path, caps) -> dict:
+    """One run per cap, side by side, a core each (OMP_NUM_THREADS=1): {cap: metrics rows}."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for cap in caps:
+        run = tmp_path / f"cap_{cap}"
+        err = open(tmp_path / f"cap_{cap}.stderr", "w")
+        procs[cap] = (subprocess.Popen(
+            [sys.executable, "-c", "import sys; import opid_mega.cli as c; sys.exit(c.train_main())", "--config",
+             CONFIG, "--run-dir", str(run), *ALL_TIE, f"algo.skill_share_cap={cap}"], env=env,
+            stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT), err)
+    try:
+        for cap, (proc, err) in procs.items():
+            rc = proc.wait(timeout=900)
+            err.close()
+            stderr = (tmp_path / f"cap_{cap}.stderr").read_text()
+            assert rc == 0, stderr[-3000:]
+            warned = "algo.skill_share_cap=null" in stderr
+            assert warned == (cap == "null"), stderr[-2000:]  # the one-line warning names the collapse regime
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return {cap: [json.loads(line) for line in (tmp_path / f"cap_{cap}" / "metrics.jsonl").read_text().splitlines()]
+            for cap in caps}
 
 
 @pytest.mark.slow
 def test_all_tie_sequence_collapses_without_the_guard_and_holds_with_it(tmp_path):
-    free, guarded = _run(tmp_path, "null"), _run(tmp_path, "1.0")
+    runs = _runs(tmp_path, ("null", "1.0"))
+    free, guarded = runs["null"], runs["1.0"]
     for rows in (free, guarded):
         trained = [r for r in rows if "train/score" in r]
         assert len(trained) == 4 and all(r["train/score"] == 0 and r["adv/outcome_abs_mean"] == 0 for r in trained)
