@@ -25,27 +25,29 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_megatron_wor
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("mrank")
     seqs = random_sequences(7, [(9, 3), (14, 5), (6, 1), (11, 4), (8, 2), (13, 6)])
-    models, hf = [], {}
+    models, hf, refs = [], {}, {}
     for i, arch in enumerate(ARCHS):
         d = str(root / arch)
         hf[arch] = make_hf_model(arch, d, seed=i)
-        refs = [hf_logprobs(hf[arch], t, k, entropy=True) for t, k in seqs]
-        models.append(dict(arch=arch, model=d, base_logprobs=[r[0].float().tolist() for r in refs]))
+        # the HF float64 log-probs and entropies of every sequence, computed once: every layout of every test below
+        # compares with these (read only; hf_logprobs leaves the model's float32 weights as they were)
+        refs[arch] = [hf_logprobs(hf[arch], t, k, entropy=True) for t, k in seqs]
+        models.append(dict(arch=arch, model=d, base_logprobs=[r[0].float().tolist() for r in refs[arch]]))
     spec = dict(world=4, layouts=LAYOUTS, models=models, sequences=seqs, micro_tokens=24, train=True, lr=1e-4,
                 loss=LOSS, steps=3, resume=1, resume_layouts=["tp2pp2vpp1"], out=str(root), timeout_s=420)
     with open(root / "spec.json", "w") as f:
         json.dump(spec, f)
     rc, log = launch([WORKER, str(root / "spec.json")], root / "worker.log", timeout=480)
     assert rc == 0, log[-8000:]
-    return torch.load(root / "results.pt", weights_only=False), hf, seqs, spec, root
+    return torch.load(root / "results.pt", weights_only=False), hf, seqs, spec, root, refs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_and_entropy_match_hf_in_every_layout(run, arch):
-    results, hf, seqs = run[:3]
+    results, refs = run[0], run[5][arch]
+    assert len(refs) == len(run[2])
     for tag, res in results[arch].items():
-        for (t, k), lp, ent, ref_lp in zip(seqs, res["logprobs"], res["entropy"], res["ref_logprobs"]):
-            want_lp, want_ent = hf_logprobs(hf[arch], t, k, entropy=True)
+        for (want_lp, want_ent), lp, ent, ref_lp in zip(refs, res["logprobs"], res["entropy"], res["ref_logprobs"]):
             assert_close_scaled(lp, want_lp, msg=f"{tag} log-probs")  # fp32 vs float64: 1e-5 of the largest
             assert_close_scaled(ent, want_ent, msg=f"{tag} entropy")
             assert_close_scaled(ref_lp, want_lp, msg=f"{tag} reference log-probs")  # reference weights swapped in
@@ -73,8 +75,7 @@ def test_training_step_same_in_every_layout_and_equals_algo_loss(run, arch):
     base = results[arch][BASE]
     # the loss the algo layer gives on HF float64 log-probs for the same synthetic batch
     spec = dict(sequences=seqs)
-    refs = [hf_logprobs(hf[arch], t, k, entropy=True) for t, k in seqs]
-    samples = _samples(spec, True, [r[0].float() for r in refs])
+    samples = _samples(spec, True, [r[0].float() for r in run[5][arch]])
     cat = lambda xs: torch.cat([torch.tensor(x, dtype=torch.float64) for x in xs])  # noqa: E731
     old, adv, ref = cat([s.old_logprobs for s in samples]), cat([s.advantages for s in samples]), \
         cat([s.ref_logprobs for s in samples])
@@ -122,7 +123,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(run, arch):
 def test_killed_run_resumes_identically(run):
     """A run SIGKILLed right after its step-1 checkpoint, resumed by a new process tree, ends with the same
     weights as the uninterrupted run (TP2xPP2, Qwen2)."""
-    results, _, _, spec, root = run
+    results, _, _, spec, root, _ = run
     spec = dict(spec, mode="kill", layouts=[[2, 2, None]], models=spec["models"][:1], kill_after=1, timeout_s=240)
     with open(root / "kill.json", "w") as f:
         json.dump(spec, f)

@@ -1,11 +1,15 @@
 """`opid-train` end to end as a user runs it (subprocesses): the main job on a tiny budget, and resume after SIGKILL."""
+import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import pytest
 from procs import group_members
@@ -57,40 +61,121 @@ def test_main_job_end_to_end(tmp_path):
 
 
 DETERMINISTIC = ("train/", "adv/", "analysis/", "ppo/", "rollout/", "eval/")
+ONE_THREAD = {**ENV, "OMP_NUM_THREADS": "1"}  # two runs side by side, a core each
+
+
+def _fresh(run_dir, staleness, *overrides):
+    """The command line (after `python -m opid_mega.cli`) of a fresh TINY run of 3 iterations, a checkpoint after
+    each, at train.max_staleness=`staleness`."""
+    return ["--config", CONFIG, "--run-dir", str(run_dir)] + TINY + [
+        "train.iterations=3", "train.save_interval=1", f"train.max_staleness={staleness}", *overrides]
+
+
+@dataclasses.dataclass
+class Runs:
+    base: Path  # base/<name>: the run directories; base/<name>.stdout, .stderr: what each command printed
+    killed_in_time: bool  # base/killed was still running when it was killed
+    latest_after_kill: Optional[str]  # what base/killed/checkpoints/latest_step named right after the kill
+    done: dict  # name -> subprocess.CompletedProcess of every command but the killed start
+
+
+def _runs(base, staleness, copies, then) -> Runs:
+    """Runs at train.max_staleness=`staleness`, each on a core (OMP_NUM_THREADS=1), never more than two at once:
+    base/ref, uninterrupted, beside base/killed, whose whole process group is SIGKILLed inside iteration 2 (one second
+    after its checkpoint 1 is committed). Right after the kill, base/killed is copied to base/<name> for each name in
+    `copies`: a copy resumes as the run itself (a resume takes its run directory from --resume and finds everything
+    under it; config.yaml's logging.run_dir is replaced and not hashed: opid_mega.rundir.plan_run, config_digest).
+    Then the commands `then` ([(name, command line after `python -m opid_mega.cli`)]: a resume of base/killed or of a
+    copy, or another fresh run) run in that order, each as soon as a core is free; resumes only when the kill came in
+    time. Assertion-free: the tests check what came out."""
+    running, started, done, killed = {}, {}, {}, None
+
+    def start(name, cmd, **kw):
+        with open(base / f"{name}.stdout", "w") as out, open(base / f"{name}.stderr", "w") as err:
+            running[name] = subprocess.Popen([sys.executable, "-m", "opid_mega.cli"] + cmd, env=ONE_THREAD,
+                                             stdout=out, stderr=err, **kw)
+        started[name] = time.time()
+
+    def reap():
+        for name, proc in list(running.items()):
+            if proc.poll() is None and time.time() - started[name] > 600:
+                proc.kill()  # ran past its 600 s: a return code of -9 and its stderr tell the test
+                proc.wait()
+            if proc.poll() is not None:
+                del running[name]
+                done[name] = subprocess.CompletedProcess(proc.args, proc.returncode,
+                                                         (base / f"{name}.stdout").read_text(),
+                                                         (base / f"{name}.stderr").read_text())
+
+    try:
+        start("ref", _fresh(base / "ref", staleness))
+        # Its own process group, so the kill also takes the run's helper processes (megatron's checkpoint writer).
+        start("killed", _fresh(base / "killed", staleness), start_new_session=True)
+        proc = killed = running.pop("killed")
+        latest = base / "killed" / "checkpoints" / "latest_step"
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            if latest.exists() and latest.read_text().strip() == "1":
+                time.sleep(1.0)  # inside iteration 2 (rollout / update)
+                break
+            time.sleep(0.2)
+        in_time = proc.poll() is None
+        if in_time:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            deadline = time.time() + 20  # nothing of the killed run writes into the directory while it is copied
+            while group_members(proc.pid) and time.time() < deadline:
+                time.sleep(0.2)
+            for name in copies:
+                shutil.copytree(base / "killed", base / name)
+        latest_after_kill = latest.read_text().strip() if latest.exists() else None
+        queue = [(name, cmd) for name, cmd in then if in_time or "--resume" not in cmd]
+        while queue or running:
+            while queue and len(running) < 2:
+                start(*queue.pop(0))
+            time.sleep(0.2)
+            reap()
+    finally:  # an error above: nothing of these runs outlives the fixture / test
+        if killed is not None and killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+        for proc in running.values():
+            proc.kill()
+            proc.wait()
+    return Runs(base, in_time, latest_after_kill, done)
+
+
+@pytest.fixture(scope="module")
+def staleness_one(tmp_path_factory) -> Runs:
+    """The train.max_staleness=1 runs three tests share (a whole run is ~15 s on a core): `ref`, uninterrupted and
+    colocated (deploy.mode's default); `killed`, SIGKILLed inside iteration 2 and resumed with the same config;
+    `smaller`, a copy of the killed run directory resumed with train.max_staleness=0; `disaggregated`, a fresh run
+    with deploy.mode=disaggregated."""
+    base = tmp_path_factory.mktemp("staleness_one")
+    return _runs(base, 1, copies=["smaller"], then=[
+        ("killed", ["--resume", str(base / "killed")]),
+        ("disaggregated", _fresh(base / "disaggregated", 1, "deploy.mode=disaggregated")),
+        ("smaller", ["--resume", str(base / "smaller"), "train.max_staleness=0"]),
+    ])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_sigkill_and_resume_gives_the_same_metrics(tmp_path, staleness):
+def test_sigkill_and_resume_gives_the_same_metrics(tmp_path, request, staleness):
     """max_staleness 1: the checkpoint of iteration 1 holds the rollout of iteration 2, drawn before iteration 1
-    trained; the resumed run trains on it, not on a redraw with the newer weights."""
-    args = TINY + ["train.iterations=3", "train.save_interval=1", f"train.max_staleness={staleness}"]
-    one_thread = {**ENV, "OMP_NUM_THREADS": "1"}  # the uninterrupted and the killed run side by side, a core each
-    ref = tmp_path / "ref"
-    with open(tmp_path / "ref.stderr", "w") as ref_err:
-        ref_proc = subprocess.Popen([sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(ref)]
-                                    + args, env=one_thread, stdout=subprocess.DEVNULL, stderr=ref_err)
+    trained; the resumed run trains on it, not on a redraw with the newer weights. (Staleness 1: the runs of the
+    staleness_one fixture, whose uninterrupted run is also the colocated run of the disaggregated test and whose
+    killed run, copied, is also the one resumed with a smaller max_staleness.)"""
+    if staleness == 1:
+        runs = request.getfixturevalue("staleness_one")
+    else:
+        runs = _runs(tmp_path, staleness, copies=[], then=[("killed", ["--resume", str(tmp_path / "killed")])])
+    ref, run = runs.base / "ref", runs.base / "killed"
+    assert runs.killed_in_time, "the run finished or died before it could be killed"
+    assert runs.latest_after_kill in ("1", "2"), runs.latest_after_kill
 
-    run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + args
-    # Its own process group, so the kill also takes the run's helper processes (megatron's checkpoint writer).
-    proc = subprocess.Popen(cmd, env=one_thread, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    latest = run / "checkpoints" / "latest_step"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() == "1":
-            time.sleep(1.0)  # inside iteration 2 (rollout / update)
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished or died before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert latest.read_text().strip() in ("1", "2")
-
-    assert ref_proc.wait(timeout=600) == 0, (tmp_path / "ref.stderr").read_text()[-3000:]
-    r = subprocess.run([sys.executable, "-m", "opid_mega.cli", "--resume", str(run)], env=one_thread,
-                       capture_output=True, text=True, timeout=600)
+    assert runs.done["ref"].returncode == 0, runs.done["ref"].stderr[-3000:]
+    r = runs.done["killed"]  # opid-train --resume <run>
     assert r.returncode == 0, r.stderr[-3000:]
     # train.log: the killed start's console and the resume's, appended (a header line per start)
     log = (run / "train.log").read_text().splitlines()
@@ -111,21 +196,14 @@ def test_sigkill_and_resume_gives_the_same_metrics(tmp_path, staleness):
 
 
 @pytest.mark.slow
-def test_disaggregated_rollout_beside_the_update_gives_the_colocated_metrics(tmp_path):
+def test_disaggregated_rollout_beside_the_update_gives_the_colocated_metrics(staleness_one):
     """train.max_staleness=1, deploy.mode=disaggregated: iteration k+1's rollout plays in the background while k is
     scored and trained (opid_mega.pipeline) and is landed before the weight sync: the same records, drawn with the
-    same weights, as the colocated pipeline draws before the update, so the same metrics."""
-    one_thread = {**ENV, "OMP_NUM_THREADS": "1"}
-    args = TINY + ["train.iterations=3", "train.max_staleness=1"]
-    procs = {}
-    for mode in ("colocated", "disaggregated"):
-        with open(tmp_path / f"{mode}.stderr", "w") as err:
-            procs[mode] = subprocess.Popen([sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir",
-                                            str(tmp_path / mode)] + args + [f"deploy.mode={mode}"], env=one_thread,
-                                           stdout=subprocess.DEVNULL, stderr=err)
-    for mode, proc in procs.items():
-        assert proc.wait(timeout=600) == 0, (tmp_path / f"{mode}.stderr").read_text()[-3000:]
-    a, b = _metrics(tmp_path / "colocated"), _metrics(tmp_path / "disaggregated")
+    same weights, as the colocated pipeline draws before the update, so the same metrics. (The colocated run:
+    staleness_one's uninterrupted `ref`.)"""
+    for mode in ("ref", "disaggregated"):
+        assert staleness_one.done[mode].returncode == 0, staleness_one.done[mode].stderr[-3000:]
+    a, b = _metrics(staleness_one.base / "ref"), _metrics(staleness_one.base / "disaggregated")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     assert [m["rollout/staleness"] for m in b] == [0, 1, 1]
     # the background rollout is waited for only before the sync; the colocated pipeline has no such wait
@@ -177,30 +255,19 @@ def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_with_a_smaller_max_staleness_corrects_the_restored_stale_records(tmp_path):
+def test_resume_with_a_smaller_max_staleness_corrects_the_restored_stale_records(staleness_one):
     """A run at train.max_staleness=1 killed after its first checkpoint (which holds the next iteration's rollout,
     drawn one version early) and resumed with train.max_staleness=0: the restored record is still stale and trains
     with its behaviour weights (train/behavior_weight_mean in its metrics); before, max_staleness=0 skipped the
-    correction and the stale record trained uncorrected."""
-    run = tmp_path / "run"
-    one_thread = {**ENV, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + TINY + [
-        "train.iterations=3", "train.save_interval=1", "train.max_staleness=1"]
-    proc = subprocess.Popen(cmd, env=one_thread, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    latest = run / "checkpoints" / "latest_step"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None and not (latest.exists() and latest.read_text().strip()):
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished or died before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    step = int(latest.read_text().strip())
-    assert step in (1, 2)
-    r = subprocess.run([sys.executable, "-m", "opid_mega.cli", "--resume", str(run), "train.max_staleness=0"],
-                       env=one_thread, capture_output=True, text=True, timeout=600)
+    correction and the stale record trained uncorrected. (The run: staleness_one's `smaller`, a copy of its `killed`
+    run directory made right after the kill inside iteration 2; checkpoint 2, if written by then, holds iteration 3's
+    rollout, drawn one version early too.)"""
+    assert staleness_one.killed_in_time, "the run finished or died before it could be killed"
+    assert staleness_one.latest_after_kill in ("1", "2"), staleness_one.latest_after_kill
+    step = int(staleness_one.latest_after_kill)
+    r = staleness_one.done["smaller"]  # opid-train --resume <copy> train.max_staleness=0
     assert r.returncode == 0, r.stderr[-3000:]
-    resumed = [m for m in _metrics(run) if m["step"] == step + 1][-1]
+    resumed = [m for m in _metrics(staleness_one.base / "smaller") if m["step"] == step + 1][-1]
     print(f"resumed at step {step + 1}: staleness {resumed['rollout/staleness']}, behaviour weights mean "
           f"{resumed.get('train/behavior_weight_mean')}")
     assert resumed["rollout/staleness"] == 1  # the record drawn before the checkpoint, one version early

@@ -12,6 +12,11 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 # one mini-batch per iteration: the PPO metrics of iteration 1 are all computed before any update
 ARGS = TINY + ["train.iterations=2", "eval.interval=1", "eval.num_tasks=1", "train.mini_batch_size=16"]
+# The single-process reference of test_tp2pp2_matches_single_process: only its rows 0 (evaluation before training)
+# and 1 are compared, and everything logged up to row 1 comes before iteration 2 and before any checkpoint (the
+# trainer logs an iteration's metrics, with its evaluation, before saving; the lr is constant; train.max_staleness=0
+# draws no later rollout), so it stops after iteration 1 and saves nothing (no checkpoint-writer process either).
+REF_ARGS = ARGS + ["train.iterations=1", "train.save_interval=0"]
 
 
 def _start(config: str, run_dir, args, nproc: int = 1) -> subprocess.Popen:
@@ -36,9 +41,9 @@ def test_tp2pp2_matches_single_process(tmp_path):
     from opid_mega.metrics import read_metrics
 
     multi, single = tmp_path / "tp2pp2", tmp_path / "tp1"
-    _train_side_by_side(("tiny_cpu_tp2pp2.yaml", multi, ARGS, 4), ("tiny_cpu.yaml", single, ARGS))
+    _train_side_by_side(("tiny_cpu_tp2pp2.yaml", multi, ARGS, 4), ("tiny_cpu.yaml", single, REF_ARGS))
     m, s = read_metrics(multi), read_metrics(single)
-    assert [x["step"] for x in m] == [0, 1, 2]
+    assert [x["step"] for x in m] == [0, 1, 2] and [x["step"] for x in s] == [0, 1]
     assert m[1]["rollout/logprob_mismatch"] < 1e-4 and abs(m[1]["ppo/approx_kl_first"]) < 1e-6
     for k in ("train/success_rate", "train/step_samples", "adv/outcome_abs_mean", "adv/skill_abs_mean",
               "ppo/entropy", "eval/success_rate"):

@@ -272,7 +272,7 @@ HEARTBEAT = 6  # deploy.heartbeat_timeout_s of these runs (bound: 6 + 1 + 10 s)
 @pytest.mark.slow
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
 def test_a_rank_stopped_inside_the_ppo_update_ends_the_job_within_the_heartbeat_bound(tmp_path, stopped, tiny_cfg):
-    """Rank 0's update starts 20 s late (tests/trainer/_slow_rank0.py), so rank 1 waits in the update's collective;
+    """Rank 0's update starts 10 s late (tests/trainer/_slow_rank0.py), so rank 1 waits in the update's collective;
     a rank is SIGSTOPped then. The control group's timeout is the default (hours) and the training groups' 300 s:
     the heartbeats (deploy.heartbeat_timeout_s=6) end the job with one line naming the stopped rank's node, exit 5,
     within the bound. Before, the collective's 300 s timeout ended it with a gloo traceback naming no node."""
@@ -281,7 +281,7 @@ def test_a_rank_stopped_inside_the_ppo_update_ends_the_job_within_the_heartbeat_
     tag = uuid.uuid4().hex
     train_mark = tmp_path / "update_started"
     proc, _, err = _launch(tmp_path, tag, args=[f"deploy.heartbeat_timeout_s={HEARTBEAT}"],
-                           env={"OPID_TEST_DELAY_S": "0", "OPID_TEST_TRAIN_DELAY_S": "20",
+                           env={"OPID_TEST_DELAY_S": "0", "OPID_TEST_TRAIN_DELAY_S": "10",
                                 "OPID_TEST_TRAIN_MARK": str(train_mark)})
     _wait_or_end(proc, lambda: train_mark.exists(), "rank 0's update")
     time.sleep(2.0)  # rank 1 is in the update's collective, waiting for rank 0
