@@ -275,7 +275,7 @@ class RunPlan:
 
 
 def _committed(run_dir: Path) -> Optional[int]:
-    from opid_mega.megatron.checkpoint import latest_step
+    from opid_mega.megatron.checkpoint_steps import latest_step
 
     return latest_step(str(run_dir / "checkpoints"))
 
