@@ -61,6 +61,23 @@ def running(pid: int, start: Optional[int]) -> bool:
     return bool(start) and start_time(pid) == start
 
 
+def exit_with_owner(owner_pid: int, owner_start: Optional[int], poll_s: float = POLL_S) -> None:
+    """For a helper process that serves its owner until told to stop (a multiprocessing Manager's server, given this
+    as its initializer): a daemon thread ends the process once the owner (pid and start time) is gone, so a SIGKILLed
+    owner does not leave it running for good. Nothing is watched when the owner's start time is unknown."""
+    import threading
+
+    if not owner_start:
+        return
+
+    def watch():
+        while running(owner_pid, owner_start):
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from opid_mega.megatron import extra_state
 from opid_mega.infra.files import fsync_path
+from opid_mega.megatron.checkpoint_steps import latest_step, saved_steps  # noqa: F401  (part of this module's API)
 
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
@@ -171,9 +172,28 @@ def prepare_writer() -> None:
 
     if getattr(filesystem_async, "_results_queue", False) is not None:  # made already (or megatron changed)
         return
-    _WRITER_QUEUE = threading.Thread(target=filesystem_async._get_write_results_queue, name="ckpt-writer-queue",
+    _WRITER_QUEUE = threading.Thread(target=_make_writer_queue, args=(filesystem_async,), name="ckpt-writer-queue",
                                      daemon=False)
     _WRITER_QUEUE.start()
+
+
+_WRITER_MANAGER = None
+
+
+def _make_writer_queue(filesystem_async) -> None:
+    """megatron's results queue (filesystem_async._get_write_results_queue: a queue of a spawn-context Manager), from
+    a Manager whose server process ends with this one: a Manager serves until it is told to stop, so a rank killed
+    without a chance to stop it (SIGKILL, the OOM killer, a lost node's kill) would leave it running for good."""
+    global _WRITER_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from opid_mega.infra.tether import exit_with_owner, start_time
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=exit_with_owner, initargs=(os.getpid(), start_time(os.getpid())))
+    _WRITER_MANAGER = manager
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _writer_ready() -> None:
@@ -345,17 +365,6 @@ def check_disk_space(ckpt_dir: str, step: int, chunks, optimizer) -> None:
         raise CheckpointError(msg)
 
 
-def saved_steps(ckpt_dir: str) -> list[int]:
-    """Steps with a ``step_<N>`` directory in ``ckpt_dir``, ascending."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    steps = []
-    for name in os.listdir(ckpt_dir):
-        if name.startswith("step_") and name[5:].isdigit() and os.path.isdir(os.path.join(ckpt_dir, name)):
-            steps.append(int(name[5:]))
-    return sorted(steps)
-
-
 def prune(ckpt_dir: str, keep: int) -> list[int]:
     """Remove all but the newest ``keep`` checkpoints up to the latest complete one (never the latest itself, never
     a newer, possibly incomplete one). Returns the removed steps."""
@@ -371,18 +380,6 @@ def prune(ckpt_dir: str, keep: int) -> list[int]:
     for s in removed:
         shutil.rmtree(os.path.join(ckpt_dir, f"step_{s}"), ignore_errors=True)
     return removed
-
-
-def latest_step(ckpt_dir: str) -> Optional[int]:
-    """The step ``latest_step`` names (the newest committed checkpoint); None when there is none (or it is not a
-    number: it is written atomically, so that is foreign content)."""
-    p = os.path.join(ckpt_dir, "latest_step")
-    try:
-        with open(p) as f:
-            text = f.read().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def checkpoint_problem(path: str) -> Optional[str]:

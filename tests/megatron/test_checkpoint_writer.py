@@ -1,0 +1,65 @@
+"""The checkpoint writer's Manager (opid_mega.megatron.checkpoint.prepare_writer: the results queue megatron's async
+file writer reports through) ends with the rank that started it. A Manager's server serves until it is told to stop:
+a rank SIGKILLed (the OOM killer, a lost node's kill, the node-lost tests' stopped rank) used to leave it, and its
+resource tracker, running for good (~0.2-0.5 GB each)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CODE = """
+import os, sys, time
+from opid_mega.megatron import checkpoint
+checkpoint.prepare_writer()
+checkpoint._writer_ready()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+q = filesystem_async._results_queue
+q.put({"rank": 0}); assert q.get(timeout=30) == {"rank": 0}  # the queue megatron's writer uses works
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _spawned_children(pid: int) -> list:
+    """The multiprocessing processes `pid` started (a spawn-context Manager's server)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid and b"spawn_main" in cmd:
+                out.append(int(d))
+    return out
+
+
+def test_the_writer_manager_ends_with_a_sigkilled_rank():
+    p = subprocess.Popen([sys.executable, "-c", CODE], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        spawned = _spawned_children(p.pid)
+        assert len(spawned) == 1, spawned
+        manager = spawned[0]
+        time.sleep(1.5)
+        assert _alive(manager)  # it serves while the rank runs
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(manager) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(manager), f"the checkpoint writer's Manager {manager} outlived its SIGKILLed rank"
