@@ -1,7 +1,7 @@
 """Issue 14 item 2: ranks that wait for global rank 0's rollout / analysis / evaluation wait on the gloo control group
 (deploy.control_timeout_s), not in a training collective (deploy.train_timeout_s).
 
-Two gloo ranks (DP2). Rank 0's every rollout and evaluation is delayed 8 s, far past a 3 s training-group timeout;
+Two gloo ranks (DP2). Rank 0's every rollout and evaluation is delayed 6 s, twice a 3 s training-group timeout;
 the run completes (rollout, evaluation, checkpoint). The same run with a 4 s control timeout fails: rank 1 gives up
 waiting for rank 0 on the control group after 4 s (one line naming rank 0's node), so the first run really waited
 longer than the timeout it was given."""
@@ -15,7 +15,7 @@ import pytest
 from .conftest import CONFIG, TINY
 
 HERE = os.path.dirname(__file__)
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OPID_TEST_DELAY_S": "8", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OPID_TEST_DELAY_S": "6", "OMP_NUM_THREADS": "1"}
 ARGS = TINY + ["eval.interval=1", "eval.num_tasks=1", "eval.before_training=true", "train.save_interval=1",
                "deploy.train_timeout_s=3"]
 
