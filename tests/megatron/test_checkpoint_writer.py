@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from procs import children
+
 CODE = """
 import os, sys, time
 from opid_mega.megatron import checkpoint
@@ -29,29 +31,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _spawned_children(pid: int) -> list:
-    """The multiprocessing processes `pid` started (a spawn-context Manager's server)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid and b"spawn_main" in cmd:
-                out.append(int(d))
-    return out
-
-
 def test_the_writer_manager_ends_with_a_sigkilled_rank():
     p = subprocess.Popen([sys.executable, "-c", CODE], stdout=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     try:
         assert p.stdout.readline().strip() == "ready"
-        spawned = _spawned_children(p.pid)
+        spawned = [pid for pid, cmd in children(p.pid).items() if "spawn_main" in cmd]  # the Manager's server
         assert len(spawned) == 1, spawned
         manager = spawned[0]
         time.sleep(1.5)
