@@ -68,6 +68,11 @@ CPU_DEFAULT_ARGS = (
     # an idle CPU server otherwise polls its queues at ~100% of a core, stealing it from the trainer's PPO update
     ("--sleep-on-idle", None),
 )
+# SGLang treats a child's exit as a crash and, by default, first sleeps 5 s "to let GPU activity settle", then py-spy
+# dumps the schedulers and triggers CUDA core dumps (waiting up to 60 s for them). Our stop (SIGTERM to the server's
+# process group: `SGLangEngine.shutdown`) is no crash, and that default made every stop wait out the 5 s before its
+# SIGKILL. A launched server gets these off unless this process's environment (or the launch's `env`) sets them.
+CRASH_DIAGNOSTICS_ENV = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
 _TRANSIENT_STATUS = (502, 503, 504)
 _CONNECT_TIMEOUT_S = 10.0  # a TCP connect that takes longer is retried (a frozen server still accepts connections)
 _TORCH_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -401,6 +406,8 @@ class SGLangEngine:
         for key in list(env):
             if key in _TORCH_DIST_ENV or key.startswith("TORCHELASTIC_"):
                 del env[key]
+        for key in CRASH_DIAGNOSTICS_ENV:
+            env.setdefault(key, "0")
         for key, value in (extra_env or {}).items():
             if value is None:
                 env.pop(str(key), None)

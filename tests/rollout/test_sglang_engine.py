@@ -79,6 +79,30 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
         SGLangEngine(str(tmp_path / "no_such_model"), python="false", log_dir=str(tmp_path), startup_timeout_s=30)
 
 
+def test_a_launched_server_runs_without_sglang_crash_diagnostics_unless_asked(tmp_path, monkeypatch):
+    """Stopping a server is no crash: a launched server gets SGLang's crash diagnostics (5 s sleep, py-spy, CUDA core
+    dumps) off, unless this process's environment or the launch's env sets them."""
+    from opid_mega.rollout.sglang_engine import CRASH_DIAGNOSTICS_ENV
+
+    dump = tmp_path / "env.txt"
+    python = tmp_path / "python"  # stands in for the interpreter: records the environment it got, then fails
+    python.write_text(f"#!/bin/sh\nenv > {dump}\nexit 3\n")
+    python.chmod(0o755)
+
+    def launched_env(**kw) -> dict:
+        with pytest.raises(EngineError, match="exited with code 3"):
+            SGLangEngine(str(tmp_path / "model"), python=str(python), log_dir=str(tmp_path), startup_timeout_s=30, **kw)
+        return dict(ln.split("=", 1) for ln in dump.read_text().splitlines() if "=" in ln)
+
+    for key in CRASH_DIAGNOSTICS_ENV:
+        monkeypatch.delenv(key, raising=False)
+    env = launched_env()
+    assert {k: env.get(k) for k in CRASH_DIAGNOSTICS_ENV} == dict.fromkeys(CRASH_DIAGNOSTICS_ENV, "0")
+    monkeypatch.setenv(CRASH_DIAGNOSTICS_ENV[0], "1")  # asked for, in this process's environment
+    env = launched_env(env={CRASH_DIAGNOSTICS_ENV[1]: "true"})  # ... or in the launch's
+    assert [env.get(k) for k in CRASH_DIAGNOSTICS_ENV] == ["1", "true"]
+
+
 # ---- one real server -------------------------------------------------------------------------------------------
 @pytest.fixture
 def server(sglang_pool, request):

@@ -131,6 +131,9 @@ def test_signal_leaves_no_process_of_the_run(case, tmp_path, real_sglang_cpu, ti
     while _left(recorded, pgids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _left(recorded, pgids), f"processes of the run outlived it: {_left(recorded, pgids)}"
+    # the servers were stopped, not taken for crashed: none slept out SGLang's crash diagnostics (5 s, py-spy ...)
+    logs = sorted(run.rglob("sglang_server_*.log"))
+    assert logs and not [p.name for p in logs if "before crash diagnostics" in p.read_text(errors="replace")], logs
 
 
 # ---- a rank killed without a chance to stop its servers (SIGKILL, the OOM killer) --------------------------------
