@@ -61,12 +61,18 @@ def running(pid: int, start: Optional[int]) -> bool:
     return bool(start) and start_time(pid) == start
 
 
-def exit_with_owner(owner_pid: int, owner_start: Optional[int], poll_s: float = POLL_S) -> None:
+def exit_with_owner(owner_pid: int, owner_start: Optional[int], poll_s: float = POLL_S,
+                    preload: tuple = ()) -> None:
     """For a helper process that serves its owner until told to stop (a multiprocessing Manager's server, given this
     as its initializer): a daemon thread ends the process once the owner (pid and start time) is gone, so a SIGKILLed
-    owner does not leave it running for good. Nothing is watched when the owner's start time is unknown."""
+    owner does not leave it running for good. Nothing is watched when the owner's start time is unknown. `preload`:
+    modules to import now, while the helper starts, rather than on the first request that needs them (a Manager's
+    server imports the classes of what it is sent when it unpickles them)."""
+    import importlib
     import threading
 
+    for name in preload:
+        importlib.import_module(name)
     if not owner_start:
         return
 

@@ -183,15 +183,18 @@ _WRITER_MANAGER = None
 def _make_writer_queue(filesystem_async) -> None:
     """megatron's results queue (filesystem_async._get_write_results_queue: a queue of a spawn-context Manager), from
     a Manager whose server process ends with this one: a Manager serves until it is told to stop, so a rank killed
-    without a chance to stop it (SIGKILL, the OOM killer, a lost node's kill) would leave it running for good."""
+    without a chance to stop it (SIGKILL, the OOM killer, a lost node's kill) would leave it running for good. The
+    server imports torch.distributed.checkpoint as it starts: it unpickles the write results (its classes) that each
+    save puts on the queue, and importing them on the first save's put cost that save ~1.7 s."""
     global _WRITER_MANAGER
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
-    from opid_mega.infra.tether import exit_with_owner, start_time
+    from opid_mega.infra.tether import POLL_S, exit_with_owner, start_time
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=exit_with_owner, initargs=(os.getpid(), start_time(os.getpid())))
+    manager.start(initializer=exit_with_owner,
+                  initargs=(os.getpid(), start_time(os.getpid()), POLL_S, ("torch.distributed.checkpoint",)))
     _WRITER_MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
 

@@ -1,7 +1,7 @@
 """The checkpoint writer's Manager (opid_mega.megatron.checkpoint.prepare_writer: the results queue megatron's async
 file writer reports through) ends with the rank that started it. A Manager's server serves until it is told to stop:
 a rank SIGKILLed (the OOM killer, a lost node's kill, the node-lost tests' stopped rank) used to leave it, and its
-resource tracker, running for good (~0.2-0.5 GB each)."""
+resource tracker, running for good (~0.2-0.5 GB each). It imports what it unpickles as it starts, not in a save."""
 import os
 import signal
 import subprocess
@@ -39,6 +39,10 @@ def test_the_writer_manager_ends_with_a_sigkilled_rank():
         spawned = [pid for pid, cmd in children(p.pid).items() if "spawn_main" in cmd]  # the Manager's server
         assert len(spawned) == 1, spawned
         manager = spawned[0]
+        # it imported torch (torch.distributed.checkpoint) as it started, before any save: it unpickles the write
+        # results each save sends, and importing their classes on the first save's put cost that save ~1.7 s
+        with open(f"/proc/{manager}/maps") as f:
+            assert "libtorch" in f.read(), "the writer's Manager did not import torch.distributed.checkpoint up front"
         time.sleep(1.5)
         assert _alive(manager)  # it serves while the rank runs
     finally:
