@@ -186,6 +186,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     assert r.returncode == 1 and "config error: algo.lambda_step" in r.stderr
     r = _tool("--preset", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _tool("--preset", "smoke", "--out", str(tmp_path / "a"), "--jobs", "0")
+    assert r.returncode == 2 and "--jobs must be at least 1, got 0" in r.stderr
 
 
 def test_report_only_aggregates_existing_runs_and_refuses_a_foreign_out_dir(tmp_path):
@@ -212,7 +214,7 @@ def test_report_only_aggregates_existing_runs_and_refuses_a_foreign_out_dir(tmp_
 @pytest.mark.slow
 def test_smoke_preset_end_to_end_and_resume(tmp_path):
     out = tmp_path / "smoke"
-    r = _tool("--preset", "smoke", "--out", str(out), "--threads", "1", timeout=900)
+    r = _tool("--preset", "smoke", "--out", str(out), "--threads", "1", "--jobs", "2", timeout=900)  # arms side by side
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     res = json.loads((out / "results.json").read_text())
     assert sorted(res["runs"]) == ["grpo", "opid"] and list(res["runs"]["grpo"]) == ["1"]

@@ -616,9 +616,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--arms", help=f"comma-separated arms out of {', '.join(ARMS)} (default: the preset's)")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every subprocess (default: unset, all cores)")
     p.add_argument("--gen-jobs", type=int, default=2, help="game-generation processes (default 2)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once (default 1; give each its cores with --threads: their wall times are "
+                        "then measured side by side)")
     p.add_argument("--report-only", action="store_true", help="only aggregate the runs that exist")
     p.add_argument("overrides", nargs="*", help="extra key.sub=value overrides of the base config (every arm)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     try:
         return _run(args)
     except ExperimentError as e:
@@ -691,27 +696,40 @@ def _run(args) -> int:
             timings["probe"] = run_logged("Δ probe", cmd, logs / "probe.log", env)
             save_timings()
         todo = [(seed, arm) for seed in seeds for arm in arms]
+        runs = []  # (label, run directory, its overrides, its expected config): the runs still to train
         for k, (seed, arm) in enumerate(todo, 1):
             run_dir = out / "runs" / arm / f"seed{seed}"
             extra = run_overrides(arm, seed, warm, run_dir)
             expected = yaml.safe_load(dump_config(load_base(preset.config, overrides + extra)))
             if run_is_complete(run_dir, expected, iterations, steps):
                 print(f"[{k}/{len(todo)}] {arm} seed {seed}: complete, skipped", flush=True)
-                continue
-            print(f"[{k}/{len(todo)}] {arm} seed {seed}: opid-train (log {run_dir / 'train.log'})", flush=True)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [py, "-m", "opid_mega.cli", "--config", config_path, "--run-dir", run_dir, *overrides, *extra]
-            wall = run_logged(f"{arm} seed {seed}", cmd, run_dir / "train.log", env)
-            (run_dir / "experiment_run.json").write_text(json.dumps({"wall_s": wall, "overrides": extra}) + "\n")
-            timings.setdefault("runs", {})[f"{arm}/seed{seed}"] = wall
-            save_timings()
-            if not run_is_complete(run_dir, expected, iterations, steps):
-                raise ExperimentError(f"{arm} seed {seed} finished without all its metrics ({run_dir})")
+            else:
+                runs.append((f"[{k}/{len(todo)}] {arm} seed {seed}", run_dir, extra, expected))
+
+        def train(label: str, run_dir: Path, extra: list, expected: dict) -> float:
             from opid_mega.metrics import read_metrics
 
+            print(f"{label}: opid-train (log {run_dir / 'train.log'})", flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [py, "-m", "opid_mega.cli", "--config", config_path, "--run-dir", run_dir, *overrides, *extra]
+            wall = run_logged(label, cmd, run_dir / "train.log", env)
+            (run_dir / "experiment_run.json").write_text(json.dumps({"wall_s": wall, "overrides": extra}) + "\n")
+            if not run_is_complete(run_dir, expected, iterations, steps):
+                raise ExperimentError(f"{label} finished without all its metrics ({run_dir})")
             s = run_summary(read_metrics(run_dir), iterations)
-            print(f"    done in {wall / 60:.1f} min: held-out success {s['start']:.3f} -> {s['final']:.3f}, "
+            print(f"{label}: done in {wall / 60:.1f} min: held-out success {s['start']:.3f} -> {s['final']:.3f}, "
                   f"AUC {s['auc']:.3f}", flush=True)
+            return wall
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(args.jobs)  # --jobs runs at once, each a subprocess; their results in order
+        try:
+            for (label, run_dir, extra, expected), done in [(r, pool.submit(train, *r)) for r in runs]:
+                timings.setdefault("runs", {})[f"{run_dir.parent.name}/{run_dir.name}"] = done.result()
+                save_timings()
+        finally:  # a failed run: the runs not started yet are not started, those running finish
+            pool.shutdown(cancel_futures=True)
 
     probe = json.loads(probe_file.read_text()) if probe_file.exists() else None
     summaries = collect(out, arms, seeds, iterations)

@@ -66,13 +66,15 @@ def exit_with_owner(owner_pid: int, owner_start: Optional[int], poll_s: float = 
     """For a helper process that serves its owner until told to stop (a multiprocessing Manager's server, given this
     as its initializer): a daemon thread ends the process once the owner (pid and start time) is gone, so a SIGKILLed
     owner does not leave it running for good. Nothing is watched when the owner's start time is unknown. `preload`:
-    modules to import now, while the helper starts, rather than on the first request that needs them (a Manager's
-    server imports the classes of what it is sent when it unpickles them)."""
+    modules a daemon thread imports in the background while the helper serves, rather than the first request that
+    needs them (a Manager's server imports the classes of what it is sent when it unpickles them; a request that
+    comes before the import is done waits for it). In the background, so the helper starts as fast as without."""
     import importlib
     import threading
 
-    for name in preload:
-        importlib.import_module(name)
+    if preload:
+        threading.Thread(target=lambda: [importlib.import_module(name) for name in preload], name="preload",
+                         daemon=True).start()
     if not owner_start:
         return
 

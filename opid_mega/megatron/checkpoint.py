@@ -162,9 +162,14 @@ def prepare_writer() -> None:
     re-imports the main module (opid-train: ~4 s on the 2-core CI machine), inside the save's collectives, where a
     rank that much later than the others trips deploy.train_timeout_s. The trainer calls this at start-up, so the
     first save finds it ready. (A fork-context Manager would be instant but inherits the rank's file descriptors:
-    a forked server that outlives a killed rank keeps the launcher from seeing that rank die.) The thread is not a daemon:
-    a process that ends while the Manager is still starting would otherwise hang at exit (multiprocessing's atexit
-    joins a Manager process whose shutdown was never registered)."""
+    a forked server that outlives a killed rank keeps the launcher from seeing that rank die.)
+
+    A process that ends while the Manager is still starting must not hang at exit: multiprocessing's exit function
+    joins every child process it started, the Manager's server among them, which serves until told to stop; its
+    stop is registered only once it has started. So the thread is not a daemon (an interpreter's exit joins it
+    first), and an exit finalizer that runs before that join (`_stop_writer`) waits for the start and stops the
+    Manager: a process started by multiprocessing (a `parallel.spawn` rank) runs the exit function without joining
+    its threads."""
     global _WRITER_QUEUE
     if _WRITER_QUEUE is not None:
         return
@@ -172,9 +177,19 @@ def prepare_writer() -> None:
 
     if getattr(filesystem_async, "_results_queue", False) is not None:  # made already (or megatron changed)
         return
+    from multiprocessing import util
+
     _WRITER_QUEUE = threading.Thread(target=_make_writer_queue, args=(filesystem_async,), name="ckpt-writer-queue",
                                      daemon=False)
     _WRITER_QUEUE.start()
+    util.Finalize(None, _stop_writer, exitpriority=10)  # before the exit function's join of child processes
+
+
+def _stop_writer() -> None:
+    """At exit: the writer's Manager, once started, stopped (no more saves come)."""
+    _writer_ready()
+    if _WRITER_MANAGER is not None:
+        _WRITER_MANAGER.shutdown()
 
 
 _WRITER_MANAGER = None
@@ -184,8 +199,8 @@ def _make_writer_queue(filesystem_async) -> None:
     """megatron's results queue (filesystem_async._get_write_results_queue: a queue of a spawn-context Manager), from
     a Manager whose server process ends with this one: a Manager serves until it is told to stop, so a rank killed
     without a chance to stop it (SIGKILL, the OOM killer, a lost node's kill) would leave it running for good. The
-    server imports torch.distributed.checkpoint as it starts: it unpickles the write results (its classes) that each
-    save puts on the queue, and importing them on the first save's put cost that save ~1.7 s."""
+    server imports torch.distributed.checkpoint in the background as it starts: it unpickles the write results (its
+    classes) that each save puts on the queue, and importing them on the first save's put cost that save ~1.7 s."""
     global _WRITER_MANAGER
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager

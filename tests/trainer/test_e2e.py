@@ -215,43 +215,90 @@ def test_disaggregated_rollout_beside_the_update_gives_the_colocated_metrics(sta
             assert_close_scaled(mb.get(k), ma[k], rel=1e-5, floor=1.0, msg=f"step {ma['step']} {k}")
 
 
-@pytest.mark.slow
-def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(tmp_path):
-    """SIGINT to the run's whole process group (what Ctrl-C in a terminal does) inside iteration 2: exit 130, one line
-    on stderr saying where it stopped, the last checkpoint and how to resume; no traceback; no process left."""
+def _ctrl_c_run(tmp_path):
+    """SIGINT to the run's process group inside iteration 2: (exit code, all output, stderr written after it, run)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "opid_mega.cli", "--config", CONFIG, "--run-dir", str(run)] + TINY + [
         "train.iterations=3", "train.save_interval=1", "logging.progress=false"]
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as fo, open(err, "w") as fe:
         # SIGINT back to its default in the child: a background job (`cmd &` in a script, CI) inherits it ignored
-        proc = subprocess.Popen(cmd, env=ENV, stdout=fo, stderr=fe, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        latest = run / "checkpoints" / "latest_step"
-        deadline = time.time() + 400
-        while time.time() < deadline and proc.poll() is None:
-            if latest.exists() and latest.read_text().strip() == "1":
-                time.sleep(1.0)  # inside iteration 2
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run finished or died before it could be interrupted"
-        before = err.stat().st_size  # what the run wrote to stderr before Ctrl-C (e.g. weight-loading bars)
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=120)
-    text = out.read_text() + err.read_text()
+        proc = subprocess.Popen(cmd, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=fo, stderr=fe,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            latest = run / "checkpoints" / "latest_step"
+            deadline = time.time() + 400
+            while time.time() < deadline and proc.poll() is None:
+                if latest.exists() and latest.read_text().strip() == "1":
+                    time.sleep(1.0)  # inside iteration 2
+                    break
+                time.sleep(0.2)
+            assert proc.poll() is None, "the run finished or died before it could be interrupted"
+            before = err.stat().st_size  # what the run wrote to stderr before Ctrl-C (e.g. weight-loading bars)
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 20
+    while group_members(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    return rc, out.read_text() + err.read_text(), err.read_bytes()[before:].decode(), run, group_members(proc.pid)
+
+
+def _sigterm_in_background_rollout_run(tmp_path):
+    """SIGTERM while iteration 2's rollout plays beside iteration 1's update: (exit code, seconds to exit, stderr,
+    processes of its group left)."""
+    run, mark = tmp_path / "run", tmp_path / "rollouts_started"
+    env = {**ENV, "OMP_NUM_THREADS": "1", "OPID_TEST_DELAY_S": "300", "OPID_TEST_DELAY_SKIP": "1",
+           "OPID_TEST_MARK": str(mark)}
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_slow_rank0.py"), "--config", CONFIG,
+           "--run-dir", str(run)] + TINY + ["train.iterations=3", "train.max_staleness=1", "deploy.mode=disaggregated"]
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            deadline = time.time() + 400
+            while time.time() < deadline and proc.poll() is None and \
+                    not (mark.exists() and len(mark.read_text().splitlines()) >= 2):
+                time.sleep(0.2)
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(2.0)  # iteration 1 scores and trains, then waits for the background rollout
+            t0 = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)  # the rank alone, as torchrun's agent and SLURM send it
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return rc, took, (tmp_path / "stderr").read_text(), group_members(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory) -> dict:
+    """The two signal runs below side by side, a core each (each spends most of its time starting and waiting):
+    {name: Future of its result}; a run's failure is raised by the test that reads it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {"ctrl_c": _ctrl_c_run, "sigterm": _sigterm_in_background_rollout_run}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return {name: pool.submit(fn, tmp_path_factory.mktemp(name)) for name, fn in jobs.items()}
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_and_leaves_nothing_running(signalled):
+    """SIGINT to the run's whole process group (what Ctrl-C in a terminal does) inside iteration 2: exit 130, one line
+    on stderr saying where it stopped, the last checkpoint and how to resume; no traceback; no process left."""
+    rc, text, after, run, left = signalled["ctrl_c"].result()
     assert rc == 130, text[-3000:]
     assert "\r" not in text, "a progress bar redraw reached a log file"
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    lines = [ln for ln in err.read_bytes()[before:].decode().splitlines() if ln.strip()]  # written after Ctrl-C
+    lines = [ln for ln in after.splitlines() if ln.strip()]  # written after Ctrl-C
     assert len(lines) == 1, lines
     m = re.fullmatch(rf"opid-train: interrupted in iteration (\d) of 3; last checkpoint {re.escape(str(run))}"
                      rf"/checkpoints/step_(\d); resume with: opid-train --resume {re.escape(str(run))}", lines[0])
     # the iteration in progress; its own checkpoint counts once written (a Ctrl-C during a write waits for it)
     assert m and int(m[1]) in (2, 3) and int(m[2]) in (int(m[1]) - 1, int(m[1])), lines[0]
-    deadline = time.time() + 20
-    while group_members(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not group_members(proc.pid), "processes of the run outlived it"
+    assert not left, "processes of the run outlived it"
 
 
 @pytest.mark.slow
@@ -275,35 +322,14 @@ def test_resume_with_a_smaller_max_staleness_corrects_the_restored_stale_records
 
 
 @pytest.mark.slow
-def test_sigterm_while_the_next_rollout_plays_in_the_background_runs_every_closer_within_seconds(tmp_path):
+def test_sigterm_while_the_next_rollout_plays_in_the_background_runs_every_closer_within_seconds(signalled):
     """deploy.mode=disaggregated, train.max_staleness=1: iteration 2's rollout plays beside iteration 1's update
     (delayed 300 s here: tests/trainer/_slow_rank0.py). SIGTERM then: the run ends by its own shutdown (every closer,
     the one line naming the iteration and the checkpoint, exit 143) within seconds. Before, close() waited for the
     background rollout and only the 20 s watchdog's forced exit ended the process, skipping the closers after it."""
-    run, mark = tmp_path / "run", tmp_path / "rollouts_started"
-    env = {**ENV, "OMP_NUM_THREADS": "1", "OPID_TEST_DELAY_S": "300", "OPID_TEST_DELAY_SKIP": "1",
-           "OPID_TEST_MARK": str(mark)}
-    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_slow_rank0.py"), "--config", CONFIG,
-           "--run-dir", str(run)] + TINY + ["train.iterations=3", "train.max_staleness=1", "deploy.mode=disaggregated"]
-    with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        deadline = time.time() + 400
-        while time.time() < deadline and proc.poll() is None and \
-                not (mark.exists() and len(mark.read_text().splitlines()) >= 2):
-            time.sleep(0.2)
-        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        time.sleep(2.0)  # iteration 1 scores and trains, then waits for the background rollout
-        t0 = time.monotonic()
-        os.kill(proc.pid, signal.SIGTERM)  # the rank alone, as torchrun's agent and SLURM send it
-        try:
-            rc = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        took = time.monotonic() - t0
-    text = (tmp_path / "stderr").read_text()
+    rc, took, text, left = signalled["sigterm"].result()
     print(f"ended {took:.1f} s after SIGTERM, exit {rc}")
     assert rc == 143 and took < 15, text[-3000:]
     assert "still running 20 s after the signal" not in text
     assert re.search(r"opid-train: stopped by SIGTERM in iteration 1 of 3; ", text), text[-3000:]
-    assert not group_members(proc.pid)  # env workers and helpers gone with it
+    assert not left  # env workers and helpers gone with it
