@@ -82,7 +82,7 @@ def test_a_multiprocessing_child_that_ends_while_the_manager_starts_exits():
     finalizer waits for the Manager's start and stops it, so the child exits instead of hanging."""
     import multiprocessing as mp
 
-    for method in ("fork", "forkserver"):
+    for method in ("spawn", "forkserver"):  # fresh interpreters: nothing of this process's writer state inherited
         p = mp.get_context(method).Process(target=_quick_rank)
         p.start()
         p.join(timeout=60)
