@@ -4,7 +4,7 @@ training-group timeout or a day-long wait; and the control group's default timeo
 Two gloo ranks under torchrun on this machine's loopback (the namespace cluster would need two SGLang servers and
 several minutes per launch): the lost "node" is a rank SIGSTOPped while global rank 0 plays its rollout (delayed
 10 s by tests/trainer/_slow_rank0.py). A stopped process is what a frozen or cut-off node looks like to its peers:
-its sockets stay open and nothing comes from it. The four launches run side by side (fixture `lost_runs`)."""
+its sockets stay open and nothing comes from it."""
 import json
 import os
 import re
@@ -17,12 +17,11 @@ import uuid
 
 import pytest
 
-from .conftest import CONFIG, TINY, closed_port
+from .conftest import CONFIG, TINY
 
 HERE = os.path.dirname(__file__)
 BOUND = 15  # deploy.control_timeout_s of these runs
 DELAY = 10  # rank 0's rollout delay (OPID_TEST_DELAY_S)
-HEARTBEAT = 6  # deploy.heartbeat_timeout_s of these runs (bound: 6 + 1 + 10 s)
 
 
 def test_control_timeout_is_derived_from_the_deadlines(tiny_cfg):
@@ -46,9 +45,7 @@ def _launch(tmp_path, tag, args=None, env=None):
     mark, log = tmp_path / "rollout_started", open(tmp_path / "stderr.txt", "w")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "OPID_TEST_DELAY_S": str(DELAY),
            "OPID_TEST_MARK": str(mark), "OPID_TEST_TAG": tag, **(env or {})}
-    # its own master port: the four launches below run side by side
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(closed_port()),
-           os.path.join(HERE, "_slow_rank0.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.join(HERE, "_slow_rank0.py"),
            "--config", CONFIG, "--run-dir", str(tmp_path / "run")] + TINY + \
         (args if args is not None else [f"deploy.control_timeout_s={BOUND}"])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
@@ -130,46 +127,15 @@ def _wait_or_end(proc, cond, what):
         raise
 
 
-def _lost_in_the_rollout(tmp_path, stopped):
-    """A rank SIGSTOPped once rank 0's (delayed) first rollout started."""
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
+def test_a_rank_stopped_during_the_rollout_ends_the_job_with_one_line(tmp_path, stopped):
     tag = uuid.uuid4().hex
     proc, mark, err = _launch(tmp_path, tag)
     _wait_or_end(proc, lambda: mark.exists(), "rank 0's first rollout")
     # rank 1 stopped: rank 0 ends its rollout (<= DELAY s) and finds rank 1 silent in the roll call before its
     # broadcast (min(120 s, the bound)); rank 0 stopped: rank 1 waits the bound from the start of the rollout
-    return _stop_rank(proc, tag, stopped, err, DELAY + BOUND + 30)
-
-
-def _lost_in_the_update(tmp_path, stopped):
-    """Rank 0's update starts 10 s late, rank 1 waits in its collective; a rank is SIGSTOPped then."""
-    tag = uuid.uuid4().hex
-    train_mark = tmp_path / "update_started"
-    proc, _, err = _launch(tmp_path, tag, args=[f"deploy.heartbeat_timeout_s={HEARTBEAT}"],
-                           env={"OPID_TEST_DELAY_S": "0", "OPID_TEST_TRAIN_DELAY_S": "10",
-                                "OPID_TEST_TRAIN_MARK": str(train_mark)})
-    _wait_or_end(proc, lambda: train_mark.exists(), "rank 0's update")
-    time.sleep(2.0)  # rank 1 is in the update's collective, waiting for rank 0
-    return _stop_rank(proc, tag, stopped, err, 120)
-
-
-@pytest.fixture(scope="module")
-def lost_runs(tmp_path_factory):
-    """The four launches below (a rank stopped in the rollout / in the update; rank 1 / rank 0), side by side: each is
-    2 ranks of one thread that spend most of their time waiting out a timeout. {(where, stopped): Future of
-    _stop_rank's result}; a launch's failure is raised by the test that reads it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs = {(where, stopped): fn for where, fn in (("rollout", _lost_in_the_rollout), ("update", _lost_in_the_update))
-            for stopped in (1, 0)}
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return {key: pool.submit(fn, tmp_path_factory.mktemp(f"{key[0]}_rank{key[1]}_stopped"), key[1])
-                for key, fn in jobs.items()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
-def test_a_rank_stopped_during_the_rollout_ends_the_job_with_one_line(lost_runs, stopped):
-    lines, took, code, text = lost_runs[("rollout", stopped)].result()
+    lines, took, code, text = _stop_rank(proc, tag, stopped, err, DELAY + BOUND + 30)
     host = socket.gethostname()
     assert len(lines) == 1, text[-3000:]
     if stopped == 1:  # rank 0 names the rank that did not answer
@@ -300,18 +266,26 @@ def test_the_lost_node_bound_is_minutes_by_default_and_opid_plan_states_it(tiny_
     assert "a lost node ends the job within 75 s" in text, text[-2000:]
 
 
+HEARTBEAT = 6  # deploy.heartbeat_timeout_s of these runs (bound: 6 + 1 + 10 s)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank1_stopped", "rank0_stopped"])
-def test_a_rank_stopped_inside_the_ppo_update_ends_the_job_within_the_heartbeat_bound(lost_runs, stopped, tiny_cfg):
+def test_a_rank_stopped_inside_the_ppo_update_ends_the_job_within_the_heartbeat_bound(tmp_path, stopped, tiny_cfg):
     """Rank 0's update starts 10 s late (tests/trainer/_slow_rank0.py), so rank 1 waits in the update's collective;
     a rank is SIGSTOPped then. The control group's timeout is the default (hours) and the training groups' 300 s:
     the heartbeats (deploy.heartbeat_timeout_s=6) end the job with one line naming the stopped rank's node, exit 5,
     within the bound. Before, the collective's 300 s timeout ended it with a gloo traceback naming no node."""
     from opid_mega.config import node_lost_bound
 
-    lines, took, code, text = lost_runs[("update", stopped)].result()
+    tag = uuid.uuid4().hex
+    train_mark = tmp_path / "update_started"
+    proc, _, err = _launch(tmp_path, tag, args=[f"deploy.heartbeat_timeout_s={HEARTBEAT}"],
+                           env={"OPID_TEST_DELAY_S": "0", "OPID_TEST_TRAIN_DELAY_S": "10",
+                                "OPID_TEST_TRAIN_MARK": str(train_mark)})
+    _wait_or_end(proc, lambda: train_mark.exists(), "rank 0's update")
+    time.sleep(2.0)  # rank 1 is in the update's collective, waiting for rank 0
+    lines, took, code, text = _stop_rank(proc, tag, stopped, err, 120)
     host = socket.gethostname()
     assert len(lines) == 1, text[-3000:]
     assert lines[0].startswith(f"opid-train: lost node 0 (host {host}, global rank {stopped}): no heartbeat within "
