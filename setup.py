@@ -117,6 +117,8 @@ setup(
         # on CPU torch).
         "test": [
             "pytest>=8",
+            # the suite's two lanes (`pytest -n 2`, tests/lanes.py)
+            "pytest-xdist>=3.6",
             "hypothesis>=6",
             # opid-bench's Liger-Kernel peer rows (its Triton kernels run on CPU under the Triton interpreter)
             "liger-kernel>=0.8",

@@ -7,6 +7,8 @@
   run. CI's machine has everything the README install brings, root and network namespaces; only a test marked
   ``gpu`` (it needs a CUDA GPU) may skip there. The session ends with one line per skipped test naming the test and
   the missing condition, and exit status 1. Outside CI, skips stay skips with their reason.
+- Two lanes under `-n 2` (tests/lanes.py): single-process files side by side, a core each, then every other file
+  alone on one worker.
 - Time per file: the session ends with the test files that took longer than FILE_BUDGET_S (set-up, call and
   tear-down of their tests summed), slowest first, and the total of the run (the suite's budget: 40 min on the CI
   machine's 2 cores).
@@ -19,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from lanes import pytest_configure_node, pytest_runtest_setup, pytest_xdist_make_scheduler  # noqa: E402,F401
 
 # Triton chooses interpreter or compiled code when it is first imported (its standard library's @jit functions) and
 # when each kernel is decorated. Without CUDA the interpreter must be on before ANY test module imports triton at

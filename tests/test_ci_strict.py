@@ -25,7 +25,8 @@ def test_needs_cuda():
 
 
 def _run(tmp_path, ci):
-    shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
+    for name in ("conftest.py", "lanes.py"):  # the suite's conftest and the lanes it imports
+        shutil.copy(os.path.join(HERE, name), tmp_path / name)
     (tmp_path / "test_suite.py").write_text(SUITE)
     (tmp_path / "test_missing.py").write_text(  # a module-level skip
         "import pytest\npytest.importorskip('opid_no_such_module')\n\n\ndef test_x():\n    pass\n")

@@ -35,7 +35,7 @@ def test_install_uses_the_constraints_file():
             name, sep, version = line.partition("==")
             assert sep and version and " " not in line, f"not an exact pin: {line!r}"
             pins[name] = version
-    for name in ("torch", "pytest", "hypothesis", "transformers", "megatron-core", "triton", "sglang", "textworld",
+    for name in ("torch", "pytest", "pytest-xdist", "hypothesis", "transformers", "megatron-core", "triton", "sglang", "textworld",
                  "jericho", "bm25s", "numpy"):
         assert name in pins, f"{name} is not pinned in tools/constraints.txt"
     assert pins["torch"].startswith("2.13.0") and "opid-mega" not in pins
