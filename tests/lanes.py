@@ -12,10 +12,13 @@ So the scheduler here (xdist's `pytest_xdist_make_scheduler` hook) runs the suit
 2. **Alone**: every other file, on one worker, with the machine's usual threads, once the other worker has ended:
    nothing runs beside them, as in a serial run.
 
-A file is in PAIRED when its tests start no process that works (no trainer ranks, servers, launches) and share no
-session fixture with a file of the other lane (the SGLang pool, the shared runs of tests/trainer). A file that is
-not listed simply runs alone: forgetting one costs time, never correctness. `-n 2` with an explicit `--dist` other
-than `load` keeps xdist's own scheduling; without `-n` the suite runs serially as before.
+A file is in PAIRED when a serial run of it keeps the machine at about one busy core (/proc/stat's busy time over
+the file's time, <= ~1.3: its own Python, or one child process at a time with one thread), it starts no SGLang
+server, torchrun launch, multi-rank run or simulated node, gives no child two threads, and shares no session fixture
+with a file of the other lane (the SGLang server pool, the shared runs of tests/trainer). Pairing the pool's files or
+the server-signal tests as well (their processes mostly wait) saved ~1.5 min more but starved the deadline tests
+beside them. A file that is not listed simply runs alone: forgetting one costs time, never correctness. `-n 2` with
+an explicit `--dist` other than `load` keeps xdist's own scheduling; without `-n` the suite runs serially as before.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from collections import deque
 
 import pytest
 
-# Single-process files, in the suite's own order of collection (they are sent in the order collected, not this one).
+# About one core each (listed alphabetically; they are sent in the order pytest collects them).
 PAIRED = frozenset(
     """
     tests/batching/test_batch_builder.py
